@@ -1,0 +1,365 @@
+"""The model front-end: ``shard``, the methods it adds, and ``shard_optimizer``."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from groupshard import comm
+from groupshard.flat import FlatStorage
+from groupshard.groups import ParamGroups, ResolvedGroups, resolve_groups
+from groupshard.layout import FROZEN_GROUP, StorageLayout, build_storage
+from groupshard.runtime import STRATEGIES, ShardedRuntime, UnitRuntime
+from groupshard.units import UnitPlan, UnitSpec, plan_units
+
+
+class ShardingState:
+    """Everything ``shard`` attached to a model (``model.groupshard``)."""
+
+    def __init__(
+        self,
+        groups: ResolvedGroups,
+        plan: UnitPlan,
+        runtime: ShardedRuntime,
+        original_params: dict[str, nn.Parameter],
+        ranks: comm.Ranks,
+    ) -> None:
+        self.groups = groups
+        self.plan = plan
+        self.runtime = runtime
+        self.original_params = original_params  # FQN -> the user's tensor, storage freed
+        self.ranks = ranks
+
+    @property
+    def storages(self) -> list[FlatStorage]:
+        return self.runtime.storages
+
+    def shards_of_group(self, group_index: int) -> list[nn.Parameter]:
+        """The shard parameters that hold group ``group_index``, in unit order."""
+        return [
+            shard
+            for storage in self.storages
+            for shard, buffer in zip(storage.shards, storage.layout.buffers, strict=True)
+            if buffer.group_index == group_index
+        ]
+
+
+class ShardedModule(nn.Module):
+    """Methods added to a module by ``gs.shard`` (its class becomes a subclass of this)."""
+
+    groupshard: ShardingState
+
+    def optimizer_groups(self) -> list[dict[str, Any]]:
+        """Param groups over the shards, one per user group, in the user's order.
+
+        Each dict carries the user's hyperparameters, so ``optimizer.param_groups[i]``
+        is the user's group ``i`` and LR schedulers work unchanged.
+        """
+        state = self.groupshard
+        return [
+            {"params": state.shards_of_group(group.index), **group.options}
+            for group in state.groups.groups
+        ]
+
+    @contextmanager
+    def summon_full_params(self, writeback: bool = False) -> Iterator[None]:
+        """Give the model its original parameters back, gathered, under their own names.
+
+        Inside the block ``named_parameters()`` and ``state_dict()`` look like the
+        unsharded model and forward runs unsharded (no gradients reach the shards).
+
+        Args:
+            writeback: copy the parameters' values back into the shards on exit.
+        """
+        state = self.groupshard
+        runtime = state.runtime
+        if runtime.summoned:
+            raise RuntimeError(
+                "summon_full_params is already active on this model; do not nest it."
+            )
+        with torch.no_grad():
+            for unit in runtime.units:
+                unit.stale = True
+                unit.unshard()
+            _swap_in_originals(state)
+        runtime.summoned = True
+        try:
+            yield
+        finally:
+            runtime.summoned = False
+            with torch.no_grad():
+                if writeback:
+                    _write_back(state)
+                _swap_out_originals(state)
+                for unit in runtime.units:
+                    unit.reshard()
+
+
+def _shard_attr_name(buffer_group: int, dtype: torch.dtype) -> str:
+    group = "frozen" if buffer_group == FROZEN_GROUP else f"group{buffer_group}"
+    return f"groupshard_{group}_{str(dtype).removeprefix('torch.')}"
+
+
+def _swap_in_originals(state: ShardingState) -> None:
+    for unit in state.runtime.units:
+        for storage in unit.storages:
+            for buffer in storage.layout.buffers:
+                del unit.module._parameters[
+                    _shard_attr_name(buffer.group_index, storage.layout.dtype)
+                ]
+            with torch.no_grad():
+                views = storage.param_views()
+            for fqn, view in views.items():
+                original = state.original_params[fqn]
+                original.data = view
+                for module, attr in unit.places[fqn]:
+                    module.__dict__.pop(attr, None)
+                    module._parameters[attr] = original
+
+
+def _write_back(state: ShardingState) -> None:
+    for unit in state.runtime.units:
+        for storage in unit.storages:
+            views = storage.param_views()
+            for fqn, view in views.items():
+                module, attr = unit.places[fqn][0]
+                current = module._parameters[attr]
+                if current is None or current.shape != view.shape:
+                    raise ValueError(
+                        f"Parameter {fqn!r} was replaced inside summon_full_params by "
+                        f"{None if current is None else tuple(current.shape)}; expects shape "
+                        f"{tuple(view.shape)} to write it back."
+                    )
+                if current.data_ptr() != view.data_ptr():
+                    view.copy_(current.detach())
+            storage.write_back()
+
+
+def _swap_out_originals(state: ShardingState) -> None:
+    for unit in state.runtime.units:
+        for storage in unit.storages:
+            for fqn in storage.layout.fqns:
+                original = state.original_params[fqn]
+                original.data = original.data.new_empty(0)
+                for module, attr in unit.places[fqn]:
+                    module._parameters.pop(attr, None)
+            _register_shards(unit.module, storage)
+
+
+def _register_shards(module: nn.Module, storage: FlatStorage) -> None:
+    for shard, buffer in zip(storage.shards, storage.layout.buffers, strict=True):
+        module.register_parameter(_shard_attr_name(buffer.group_index, storage.layout.dtype), shard)
+
+
+def _plan_storages(
+    groups: ResolvedGroups, plan: UnitPlan, params: Mapping[str, nn.Parameter], world_size: int
+) -> dict[str, list[StorageLayout]]:
+    """Storage layouts per unit: one per dtype, a flat buffer per (group, dtype)."""
+    storages: dict[str, list[StorageLayout]] = {}
+    members = [(g.index, g.fqns) for g in groups.groups] + [(FROZEN_GROUP, groups.frozen)]
+    for unit_name in plan.names:
+        by_dtype: dict[torch.dtype, list[tuple[int, list[tuple[str, tuple[int, ...]]]]]] = {}
+        for group_index, fqns in members:
+            for fqn in fqns:
+                if plan.owner[fqn] != unit_name:
+                    continue
+                param = params[fqn]
+                entries = by_dtype.setdefault(param.dtype, [])
+                if not entries or entries[-1][0] != group_index:
+                    entries.append((group_index, []))
+                entries[-1][1].append((fqn, tuple(param.shape)))
+        storages[unit_name] = [
+            build_storage(unit_name, dtype, world_size, entries)
+            for dtype, entries in by_dtype.items()
+        ]
+        for layout in storages[unit_name]:
+            devices = {params[s.fqn].device for b in layout.buffers for s in b.params}
+            if len(devices) > 1:
+                raise ValueError(
+                    f"Unit {unit_name or '<root>'!r} has {layout.dtype} parameters on several "
+                    f"devices {sorted(map(str, devices))}; move the model to one device first."
+                )
+    return storages
+
+
+def _check_same_structure(signature: Any, ranks: comm.Ranks) -> None:
+    """Fail on every rank, naming the first difference, if ranks sharded differently."""
+    signatures = comm.gather_objects(signature, ranks)
+    for rank, other in enumerate(signatures):
+        if other == signatures[0]:
+            continue
+        ours, theirs = signatures[0], other
+        for key in ours:
+            if ours[key] != theirs[key]:
+                raise ValueError(
+                    f"Ranks disagree on how to shard the model: {key} on rank 0 is "
+                    f"{ours[key]!r} but on rank {rank} is {theirs[key]!r}. Every rank must "
+                    "pass the same param groups, unit and strategy."
+                )
+
+
+def _signature(
+    groups: ResolvedGroups, storages: dict[str, list[StorageLayout]], strategy: str
+) -> dict[str, Any]:
+    signature: dict[str, Any] = {"strategy": strategy, "number of param groups": len(groups.groups)}
+    for group in groups.groups:
+        signature[f"param group {group.index}"] = {
+            "params": group.fqns,
+            "option keys": sorted(map(str, group.options)),
+        }
+    signature["frozen parameters"] = groups.frozen
+    signature["units"] = [
+        (
+            name,
+            [
+                (str(layout.dtype), [[(s.fqn, s.shape) for s in b.params] for b in layout.buffers])
+                for layout in layouts
+            ],
+        )
+        for name, layouts in storages.items()
+    ]
+    return signature
+
+
+def shard(
+    model: nn.Module,
+    param_groups: ParamGroups | None = None,
+    *,
+    unit: UnitSpec = None,
+    strategy: str = "full",
+    process_group: Any = None,
+    default_group: Mapping[str, Any] | None = None,
+    sync_module_states: bool = True,
+) -> ShardedModule:
+    """Shard ``model`` in place with one flat buffer per (unit, param group, dtype).
+
+    Args:
+        model: the unsharded module (its parameters are freed; shards replace them).
+        param_groups: what ``torch.optim`` accepts (tensors, or dicts with "params" and
+            hyperparameters, ``optimizer.param_groups`` included); ``None``: one group.
+        unit: what is gathered as one piece: a module class, a tuple of classes or a
+            predicate ``f(module) -> bool``; the root takes the remaining parameters.
+        strategy: "full" (ZeRO-3), "grad_op" (ZeRO-2) or "no_shard" (DDP-like).
+        process_group: defaults to the default group (a single process if none).
+        default_group: hyperparameters for trainable parameters no group names;
+            ``None`` makes leaving one out an error.
+        sync_module_states: broadcast rank 0's parameters first, as DDP does.
+
+    Returns:
+        The same module object, now also a ``ShardedModule``.
+    """
+    ranks = comm.resolve_ranks(process_group)
+    error: BaseException | None = None
+    try:
+        if strategy not in STRATEGIES:
+            raise ValueError(f"Expects strategy in {STRATEGIES} but got {strategy=}")
+        if isinstance(model, ShardedModule):
+            raise ValueError("This model is already sharded by groupshard.")
+        groups = resolve_groups(model, param_groups, default_group)
+        plan = plan_units(model, unit)
+        params = dict(model.named_parameters())
+        world_size = 1 if strategy == "no_shard" else ranks.size
+        layouts = _plan_storages(groups, plan, params, world_size)
+    except (ValueError, TypeError) as caught:
+        error = caught
+    comm.raise_if_any_failed(error, ranks)
+    _check_same_structure(_signature(groups, layouts, strategy), ranks)
+    state = _build_state(model, groups, plan, layouts, params, ranks, strategy, sync_module_states)
+    model.groupshard = state  # type: ignore[assignment]
+    cls = model.__class__
+    model.__class__ = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {})
+    return model  # type: ignore[return-value]
+
+
+def _build_state(
+    model: nn.Module,
+    groups: ResolvedGroups,
+    plan: UnitPlan,
+    layouts: dict[str, list[StorageLayout]],
+    params: dict[str, nn.Parameter],
+    ranks: comm.Ranks,
+    strategy: str,
+    sync_module_states: bool,
+) -> ShardingState:
+    modules = dict(model.named_modules())
+    if sync_module_states:
+        for buffer in model.buffers():
+            comm.broadcast(buffer.data, ranks)
+    units = []
+    for name in plan.names:
+        storages = [
+            FlatStorage(layout, ranks, params, sync_module_states) for layout in layouts[name]
+        ]
+        owned = [fqn for fqn, owner in plan.owner.items() if owner == name]
+        places = {fqn: [(modules[m], attr) for m, attr in plan.registrations[fqn]] for fqn in owned}
+        units.append(UnitRuntime(name, modules[name], storages, places))
+    for unit in units:
+        for registrations in unit.places.values():
+            for module, attr in registrations:
+                del module._parameters[attr]
+        for storage in unit.storages:
+            _register_shards(unit.module, storage)
+    for param in params.values():
+        param.data = param.data.new_empty(0)
+    runtime = ShardedRuntime(units, strategy)
+    runtime.register_hooks()
+    return ShardingState(groups, plan, runtime, params, ranks)
+
+
+def _constructor_defaults(optimizer_class: type, defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """The optimizer's defaults that its constructor accepts as keywords."""
+    accepted = inspect.signature(optimizer_class.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        return dict(defaults)
+    return {key: value for key, value in defaults.items() if key in accepted}
+
+
+def shard_optimizer(
+    optimizer: torch.optim.Optimizer, model: ShardedModule
+) -> torch.optim.Optimizer:
+    """Rebuild ``optimizer`` (built on the unsharded model) over ``model``'s shards.
+
+    The model must have been sharded with ``optimizer.param_groups``; the new
+    optimizer has the same class, defaults and per-group hyperparameters (current
+    values, e.g. an LR already changed by a scheduler).
+    """
+    if not isinstance(model, ShardedModule):
+        raise TypeError("shard_optimizer expects a model returned by gs.shard.")
+    if optimizer.state:
+        raise ValueError(
+            f"{type(optimizer).__name__} already has state for {len(optimizer.state)} parameters, "
+            "which rebuilding would drop; call shard_optimizer before the first step."
+        )
+    state = model.groupshard
+    names = {id(p): fqn for fqn, p in state.original_params.items()}
+    sharded = state.groups.groups
+    if len(optimizer.param_groups) != len(sharded):
+        raise ValueError(
+            f"The optimizer has {len(optimizer.param_groups)} param groups but the model was "
+            f"sharded with {len(sharded)}; shard the model with optimizer.param_groups."
+        )
+    groups = []
+    for index, (group, resolved) in enumerate(zip(optimizer.param_groups, sharded, strict=True)):
+        fqns = tuple(names.get(id(p), "<not in model>") for p in group["params"] if p.requires_grad)
+        if fqns != resolved.fqns:
+            raise ValueError(
+                f"Param group {index} of the optimizer holds {list(fqns)} but the model's group "
+                f"{index} holds {list(resolved.fqns)}; shard the model with optimizer.param_groups."
+            )
+        options = {key: value for key, value in group.items() if key != "params"}
+        groups.append({"params": state.shards_of_group(index), **options})
+    optimizer_class = type(optimizer)
+    return optimizer_class(groups, **_constructor_defaults(optimizer_class, optimizer.defaults))
+
+
+def full_state_dict(model: ShardedModule) -> dict[str, torch.Tensor]:
+    """The unsharded model's state dict (original names and shapes), on every rank."""
+    if not isinstance(model, ShardedModule):
+        raise TypeError("full_state_dict expects a model returned by gs.shard.")
+    with model.summon_full_params():
+        return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}

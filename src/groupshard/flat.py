@@ -1,0 +1,192 @@
+"""The tensors of one storage: local shards, and unsharded buffers while gathered.
+
+Note: FSDP-style tensor vocabulary
+    ``local``: this rank's shards of every flat buffer of the storage, end to end,
+    trainable first (1D, ``layout.local_numel``). ``shards``: one ``nn.Parameter``
+    per flat buffer, a view into ``local``; the optimizer sees these.
+    ``unsharded_trainable``: a leaf tensor holding every trainable buffer unsharded
+    and group-major (1D); the model's parameters are views of it (one ``split``),
+    so autograd delivers a unit's whole gradient as one flat tensor.
+    ``unsharded_frozen``: the same for frozen parameters, without gradient.
+    When the storage is replicated (``layout.world_size == 1``) the unsharded
+    tensors alias ``local`` and gathering is a no-op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from groupshard import comm
+from groupshard.layout import FlatBufferLayout, StorageLayout
+
+
+def _flatten_buffer(buffer: FlatBufferLayout, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The unsharded, padded flat buffer built from the original parameters."""
+    first = params[buffer.params[0].fqn]
+    pieces = [params[slot.fqn].detach().reshape(-1) for slot in buffer.params]
+    pieces.append(first.new_zeros(buffer.padding_numel))
+    return torch.cat(pieces)
+
+
+def _free(tensor: torch.Tensor) -> None:
+    tensor.untyped_storage().resize_(0)
+
+
+def _allocate(tensor: torch.Tensor) -> None:
+    storage = tensor.untyped_storage()
+    wanted = tensor.numel() * tensor.element_size()
+    if storage.size() != wanted:
+        storage.resize_(wanted)
+
+
+class FlatStorage:
+    """Owns the local shards of one (unit, dtype) and gathers / reduces them."""
+
+    def __init__(
+        self,
+        layout: StorageLayout,
+        ranks: comm.Ranks,
+        params: Mapping[str, torch.Tensor],
+        sync_from_rank0: bool,
+    ) -> None:
+        self.layout = layout
+        self.ranks = ranks
+        self.replicated = layout.world_size == 1
+        self.shard_rank = 0 if self.replicated else ranks.rank
+        device = params[layout.buffers[0].params[0].fqn].device
+        self.local = torch.empty(layout.local_numel, dtype=layout.dtype, device=device)  # 1D
+        self._fill_local(params, sync_from_rank0)
+        self.shards = [
+            nn.Parameter(
+                self.local[slice(*layout.local_range(i))], requires_grad=b.group_index >= 0
+            )
+            for i, b in enumerate(layout.buffers)
+        ]
+        trainable, frozen = layout.trainable_unsharded_numel, layout.frozen_unsharded_numel
+        if self.replicated:
+            self.unsharded_trainable = self.local[:trainable].detach()
+            self.unsharded_frozen = self.local[trainable:]
+        else:
+            self.unsharded_trainable = self.local.new_empty(trainable)
+            self.unsharded_frozen = self.local.new_empty(frozen)
+        # .data gives an alias with its own version counter: gathering into it does not
+        # invalidate views that autograd saved for backward.
+        self.trainable_data = self.unsharded_trainable.data
+        self.unsharded_trainable.requires_grad_(trainable > 0)
+        self.is_unsharded = self.replicated
+        if not self.replicated:
+            self.reshard()
+
+    def _fill_local(self, params: Mapping[str, torch.Tensor], sync_from_rank0: bool) -> None:
+        unsharded = torch.cat([_flatten_buffer(b, params) for b in self.layout.buffers])
+        if sync_from_rank0:
+            comm.broadcast(unsharded, self.ranks)
+        offset = 0
+        for index, buffer in enumerate(self.layout.buffers):
+            start, end = buffer.shard_range(self.shard_rank)
+            local_start, local_end = self.layout.local_range(index)
+            self.local[local_start:local_end].copy_(unsharded[offset + start : offset + end])
+            offset += buffer.padded_numel
+
+    @property
+    def trainable_shards(self) -> list[nn.Parameter]:
+        return [
+            s for s, b in zip(self.shards, self.layout.buffers, strict=True) if b.group_index >= 0
+        ]
+
+    def unsharded_buffers(self) -> list[torch.Tensor]:
+        """Each buffer's unsharded (padded) data, in layout order, without autograd."""
+        views = []
+        for data, buffers in (
+            (self.trainable_data, self.layout.trainable_buffers),
+            (self.unsharded_frozen, self.layout.frozen_buffers),
+        ):
+            views.extend(data.split([b.padded_numel for b in buffers]))
+        return views
+
+    def unshard(self) -> None:
+        """All-gather every buffer of the storage with one collective."""
+        if self.replicated:
+            return
+        _allocate(self.trainable_data)
+        _allocate(self.unsharded_frozen)
+        size, local_numel = self.ranks.size, self.layout.local_numel
+        targets = self.unsharded_buffers()
+        if len(targets) == 1:  # rank-major is group-major: gather in place
+            comm.all_gather(targets[0], self.local, self.ranks)
+        else:
+            gathered = self.local.new_empty(size * local_numel)
+            comm.all_gather(gathered, self.local, self.ranks)
+            torch.split_with_sizes_copy(
+                gathered.view(size, local_numel),
+                [b.shard_numel for b in self.layout.buffers],
+                dim=1,
+                out=[t.view(size, -1) for t in targets],
+            )
+        self.is_unsharded = True
+
+    def reshard(self) -> None:
+        """Free the unsharded buffers (their views keep pointing at the same storage)."""
+        if self.replicated:
+            return
+        _free(self.trainable_data)
+        _free(self.unsharded_frozen)
+        self.is_unsharded = False
+
+    def param_views(self) -> dict[str, torch.Tensor]:
+        """The original parameters as views of the unsharded buffers, by FQN."""
+        views: dict[str, torch.Tensor] = {}
+        for source, buffers in (
+            (self.unsharded_trainable, self.layout.trainable_buffers),
+            (self.unsharded_frozen, self.layout.frozen_buffers),
+        ):
+            if not buffers:
+                continue
+            sizes = [size for b in buffers for size in b.split_sizes]
+            chunks = iter(torch.split(source, sizes))
+            for buffer in buffers:
+                for slot in buffer.params:
+                    views[slot.fqn] = next(chunks).view(slot.shape)
+                next(chunks)  # padding
+        return views
+
+    def reduce_gradients(self) -> None:
+        """Average the unsharded gradient over ranks into the shard gradients.
+
+        One reduce-scatter (all-reduce when replicated) for all groups of the storage.
+        """
+        unsharded_grad = self.unsharded_trainable.grad  # 1D, group-major
+        self.unsharded_trainable.grad = None
+        if unsharded_grad is None:
+            return
+        if self.replicated:
+            comm.all_reduce_mean(unsharded_grad, self.ranks)
+            sharded_grad = unsharded_grad
+        else:
+            buffers = self.layout.trainable_buffers
+            if len(buffers) == 1:
+                scatter_input = unsharded_grad
+            else:
+                pieces = unsharded_grad.split([b.padded_numel for b in buffers])
+                scatter_input = torch._chunk_cat(pieces, dim=0, num_chunks=self.ranks.size)
+            sharded_grad = unsharded_grad.new_empty(self.layout.trainable_shard_numel)
+            comm.reduce_scatter_mean(sharded_grad, scatter_input, self.ranks)
+        for index, shard in enumerate(self.trainable_shards):
+            piece = sharded_grad[slice(*self.layout.local_range(index))]
+            if shard.grad is None:
+                shard.grad = piece
+            else:
+                shard.grad.add_(piece)
+
+    def write_back(self) -> None:
+        """Copy this rank's part of the unsharded buffers back into ``local``."""
+        if self.replicated:
+            return
+        for index, (buffer, data) in enumerate(
+            zip(self.layout.buffers, self.unsharded_buffers(), strict=True)
+        ):
+            start, end = buffer.shard_range(self.shard_rank)
+            self.local[slice(*self.layout.local_range(index))].copy_(data[start:end])

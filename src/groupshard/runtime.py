@@ -1,0 +1,137 @@
+"""Module hooks: gather a unit before it runs, free it after, reduce its gradients.
+
+Strategies:
+    ``full`` (ZeRO-3): gather before forward, free after forward, gather again
+    before backward, reduce-scatter gradients and free as soon as they are ready.
+    ``grad_op`` (ZeRO-2): stay gathered from forward to the end of backward.
+    ``no_shard``: every rank holds everything; gradients are all-reduced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten
+
+from groupshard.flat import FlatStorage
+
+STRATEGIES = ("full", "grad_op", "no_shard")
+
+
+class UnitRuntime:
+    """One unit: its module, its storages, and where its parameters are registered."""
+
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        storages: Sequence[FlatStorage],
+        places: dict[str, list[tuple[nn.Module, str]]],
+    ) -> None:
+        self.name = name
+        self.module = module
+        self.storages = list(storages)
+        self.places = places  # FQN -> [(module, attribute)], every registration
+        self.stale = False  # gathered data may predate an optimizer step
+
+    def unshard(self) -> None:
+        for storage in self.storages:
+            if not storage.is_unsharded or self.stale:
+                storage.unshard()
+        self.stale = False
+
+    def reshard(self) -> None:
+        for storage in self.storages:
+            storage.reshard()
+
+    def install_views(self) -> None:
+        """Point every registration of the unit's parameters at the unsharded views."""
+        for storage in self.storages:
+            for fqn, view in storage.param_views().items():
+                for module, attr in self.places[fqn]:
+                    module.__dict__[attr] = view
+
+
+class ShardedRuntime:
+    """The hook logic of a sharded model, shared by all its units."""
+
+    def __init__(self, units: Sequence[UnitRuntime], strategy: str) -> None:
+        if strategy not in STRATEGIES:
+            raise ValueError(f"Expects strategy in {STRATEGIES} but got {strategy=}")
+        self.units = list(units)  # pre-order; units[0] is the root
+        self.strategy = strategy
+        self.summoned = False
+        self._final_callback_queued = False
+        self._handles: list[Any] = []
+
+    @property
+    def storages(self) -> list[FlatStorage]:
+        return [storage for unit in self.units for storage in unit.storages]
+
+    def register_hooks(self) -> None:
+        for unit in self.units:
+            module = unit.module
+            self._handles.append(module.register_forward_pre_hook(self._pre_forward_hook(unit)))
+            self._handles.append(module.register_forward_hook(self._post_forward_hook(unit)))
+            for storage in unit.storages:
+                if storage.layout.trainable_buffers:
+                    self._handles.append(
+                        storage.unsharded_trainable.register_post_accumulate_grad_hook(
+                            self._gradient_ready_hook(storage)
+                        )
+                    )
+
+    def _pre_forward_hook(self, unit: UnitRuntime) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            if self.summoned:
+                return
+            if unit is self.units[0]:
+                for other in self.units:
+                    other.stale = any(s.is_unsharded for s in other.storages)
+            unit.unshard()
+            unit.install_views()
+
+        return hook
+
+    def _post_forward_hook(self, unit: UnitRuntime) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self.summoned:
+                return
+            if self.strategy == "full" or not torch.is_grad_enabled():
+                unit.reshard()
+            if torch.is_grad_enabled():
+                tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+                tensors = [t for t in tensors if t.requires_grad]
+                if tensors:
+                    torch.autograd.graph.register_multi_grad_hook(
+                        tensors, self._pre_backward_hook(unit), mode="any"
+                    )
+
+        return hook
+
+    def _pre_backward_hook(self, unit: UnitRuntime) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            if not self._final_callback_queued:
+                self._final_callback_queued = True
+                Variable._execution_engine.queue_callback(self._end_of_backward)
+            unit.unshard()
+
+        return hook
+
+    def _gradient_ready_hook(self, storage: FlatStorage) -> Callable[[torch.Tensor], None]:
+        def hook(unsharded: torch.Tensor) -> None:
+            storage.reduce_gradients()
+            # A frozen op later in backward may still read this storage; wait for the end.
+            if self.strategy == "full" and not storage.layout.frozen_buffers:
+                storage.reshard()
+
+        return hook
+
+    def _end_of_backward(self) -> None:
+        for unit in self.units:
+            unit.reshard()
+        self._final_callback_queued = False

@@ -1,0 +1,145 @@
+"""Models, groups and training loops shared by the multi-process tests (run inside ranks)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+import groupshard as gs
+from groupshard.model import GPT, Block, GPTConfig
+
+TINY = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
+BATCH_PER_RANK = 2
+
+
+class Shift(nn.Module):
+    """A unit made only of biases: a vector and a 0-dim (1-element) offset."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(width) * 0.02)
+        self.offset = nn.Parameter(torch.tensor(0.01))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.bias + self.offset
+
+
+class TestGPT(GPT):
+    """GPT plus the awkward cases: a bias-only unit, 1-element parameters, a frozen one."""
+
+    def __init__(self, config: GPTConfig = TINY) -> None:
+        super().__init__(config)
+        self.shift = Shift(config.n_embd)
+        self.logit_scale = nn.Parameter(torch.ones(1))
+        self.wpe.weight.requires_grad_(False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(positions)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.shift(self.ln_f(x))) * self.logit_scale
+        if targets is None:
+            return logits
+        return nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+UNITS = (Block, Shift)
+HEAD = ("wte.weight", "shift.offset", "logit_scale")
+
+
+def three_groups(model: nn.Module, head_lr: float) -> list[dict[str, Any]]:
+    """decay / no-decay / head (own lr): the head group is tiny inside the Shift unit."""
+
+    def rule(name: str, param: torch.Tensor) -> str:
+        if name in HEAD:
+            return "head"
+        return "decay" if param.ndim >= 2 else "no_decay"
+
+    return gs.groups_by(
+        model,
+        rule,
+        {
+            "decay": {"weight_decay": 0.1},
+            "no_decay": {"weight_decay": 0.0},
+            "head": {"lr": head_lr},
+        },
+    )
+
+
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "sgd": lambda groups: torch.optim.SGD(groups, lr=0.05, momentum=0.9),
+    "adamw": lambda groups: torch.optim.AdamW(groups, lr=3e-3),
+    "adamw_fused": lambda groups: torch.optim.AdamW(groups, lr=3e-3, fused=True),
+    "adamw_foreach": lambda groups: torch.optim.AdamW(groups, lr=3e-3, foreach=True),
+    "adam_loop": lambda groups: torch.optim.Adam(groups, lr=3e-3, foreach=False),
+    "adagrad": lambda groups: torch.optim.Adagrad(groups, lr=3e-2),
+    "rmsprop": lambda groups: torch.optim.RMSprop(groups, lr=1e-3, momentum=0.5),
+}
+
+
+def global_batches(
+    steps: int, world_size: int, seed: int = 1
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The same global batches on every rank."""
+    generator = torch.Generator().manual_seed(seed)
+    size = (BATCH_PER_RANK * world_size, TINY.block_size)
+    return [
+        (
+            torch.randint(0, TINY.vocab_size, size, generator=generator),
+            torch.randint(0, TINY.vocab_size, size, generator=generator),
+        )
+        for _ in range(steps)
+    ]
+
+
+def max_difference(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> float:
+    assert sorted(first) == sorted(second), (sorted(first), sorted(second))
+    return max((first[k].double() - second[k].double()).abs().max().item() for k in first)
+
+
+def train_pair(
+    rank: int,
+    world_size: int,
+    strategy: str,
+    optimizer: str,
+    steps: int = 10,
+    make_groups: Callable[[nn.Module], Any] = lambda m: three_groups(m, head_lr=1e-3),
+    scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+) -> tuple[gs.ShardedModule, nn.Module, list[float], list[float]]:
+    """Train a sharded model and the unsharded reference side by side."""
+    torch.manual_seed(0)
+    model = TestGPT()
+    reference = copy.deepcopy(model)
+    sharded = gs.shard(model, make_groups(model), unit=UNITS, strategy=strategy)
+    sharded_opt = OPTIMIZERS[optimizer](sharded.optimizer_groups())
+    reference_opt = OPTIMIZERS[optimizer](make_groups(reference))
+    schedulers = [scheduler(o) for o in (sharded_opt, reference_opt)] if scheduler else []
+    losses: list[float] = []
+    reference_losses: list[float] = []
+    for inputs, targets in global_batches(steps, world_size):
+        local = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
+        loss = sharded(inputs[local], targets[local])
+        loss.backward()
+        sharded_opt.step()
+        sharded_opt.zero_grad()
+        reference_loss = reference(inputs, targets)
+        reference_loss.backward()
+        reference_opt.step()
+        reference_opt.zero_grad()
+        for s in schedulers:
+            s.step()
+        losses.append(loss.item())
+        reference_losses.append(reference_loss.item())
+    return sharded, reference, losses, reference_losses
+
+
+def equivalence_case(
+    rank: int, world_size: int, strategy: str, optimizer: str, steps: int = 10
+) -> float:
+    sharded, reference, _, _ = train_pair(rank, world_size, strategy, optimizer, steps)
+    return max_difference(gs.full_state_dict(sharded), reference.state_dict())
