@@ -28,7 +28,7 @@ class Shift(nn.Module):
         return x + self.bias + self.offset
 
 
-class TestGPT(GPT):
+class EdgeGPT(GPT):
     """GPT plus the awkward cases: a bias-only unit, 1-element parameters, a frozen one."""
 
     def __init__(self, config: GPTConfig = TINY) -> None:
@@ -113,7 +113,7 @@ def train_pair(
 ) -> tuple[gs.ShardedModule, nn.Module, list[float], list[float]]:
     """Train a sharded model and the unsharded reference side by side."""
     torch.manual_seed(0)
-    model = TestGPT()
+    model = EdgeGPT()
     reference = copy.deepcopy(model)
     sharded = gs.shard(model, make_groups(model), unit=UNITS, strategy=strategy)
     sharded_opt = OPTIMIZERS[optimizer](sharded.optimizer_groups())
@@ -135,6 +135,8 @@ def train_pair(
             s.step()
         losses.append(loss.item())
         reference_losses.append(reference_loss.item())
+    sharded._lrs = [g["lr"] for g in sharded_opt.param_groups]
+    reference._lrs = [g["lr"] for g in reference_opt.param_groups]
     return sharded, reference, losses, reference_losses
 
 

@@ -82,6 +82,10 @@ class ShardedModule(nn.Module):
             raise RuntimeError(
                 "summon_full_params is already active on this model; do not nest it."
             )
+        # A replicated storage is its own unsharded buffer: keep a copy to discard edits.
+        snapshots = [
+            s.local.clone() if s.replicated and not writeback else None for s in state.storages
+        ]
         with torch.no_grad():
             for unit in runtime.units:
                 unit.stale = True
@@ -95,6 +99,9 @@ class ShardedModule(nn.Module):
             with torch.no_grad():
                 if writeback:
                     _write_back(state)
+                for storage, snapshot in zip(state.storages, snapshots, strict=True):
+                    if snapshot is not None:
+                        storage.local.copy_(snapshot)
                 _swap_out_originals(state)
                 for unit in runtime.units:
                     unit.reshard()
