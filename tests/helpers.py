@@ -110,12 +110,13 @@ def train_pair(
     steps: int = 10,
     make_groups: Callable[[nn.Module], Any] = lambda m: three_groups(m, head_lr=1e-3),
     scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+    units: Any = UNITS,
 ) -> tuple[gs.ShardedModule, nn.Module, list[float], list[float]]:
     """Train a sharded model and the unsharded reference side by side."""
     torch.manual_seed(0)
     model = EdgeGPT()
     reference = copy.deepcopy(model)
-    sharded = gs.shard(model, make_groups(model), unit=UNITS, strategy=strategy)
+    sharded = gs.shard(model, make_groups(model), unit=units, strategy=strategy)
     sharded_opt = OPTIMIZERS[optimizer](sharded.optimizer_groups())
     reference_opt = OPTIMIZERS[optimizer](make_groups(reference))
     schedulers = [scheduler(o) for o in (sharded_opt, reference_opt)] if scheduler else []
@@ -140,8 +141,22 @@ def train_pair(
     return sharded, reference, losses, reference_losses
 
 
+UNIT_CHOICES: dict[str, Any] = {
+    "blocks": UNITS,
+    "nested": (Block, Shift, nn.Linear),  # Linear units inside Block units; lm_head owns nothing
+    "root only": None,
+}
+
+
 def equivalence_case(
-    rank: int, world_size: int, strategy: str, optimizer: str, steps: int = 10
+    rank: int,
+    world_size: int,
+    strategy: str,
+    optimizer: str,
+    steps: int = 10,
+    units: str = "blocks",
 ) -> float:
-    sharded, reference, _, _ = train_pair(rank, world_size, strategy, optimizer, steps)
+    sharded, reference, _, _ = train_pair(
+        rank, world_size, strategy, optimizer, steps, units=UNIT_CHOICES[units]
+    )
     return max_difference(gs.full_state_dict(sharded), reference.state_dict())

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
+import copy
 
-from helpers import equivalence_case
+import pytest
+import torch
+from torch import nn
+
+import groupshard as gs
+
+from helpers import equivalence_case, max_difference
 
 TOLERANCE = 1e-5
 
@@ -23,3 +29,55 @@ def test_matches_single_process(run_ranks, world_size, strategy, optimizer):
 def test_any_torch_optimizer(run_ranks, optimizer):
     differences = run_ranks(2, equivalence_case, "full", optimizer, 10)
     assert max(differences) <= TOLERANCE, differences
+
+
+@pytest.mark.parametrize("units", ["nested", "root only"])
+@pytest.mark.parametrize("strategy", ["full", "grad_op"])
+def test_unit_choices(run_ranks, units, strategy):
+    differences = run_ranks(3, equivalence_case, strategy, "adamw", 6, units)
+    assert max(differences) <= TOLERANCE, differences
+
+
+class MixedPrecisionBlock(nn.Module):
+    """A unit with float32 and float64 parameters: two storages, one per dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 6, dtype=torch.float64))
+        self.shift = nn.Parameter(torch.zeros(5, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(self.linear(x)) * self.scale.float()
+        return y + nn.functional.pad(self.shift.float(), (0, 1))
+
+
+def mixed_dtype_case(rank: int, world_size: int, strategy: str) -> tuple[float, int]:
+    torch.manual_seed(0)
+    model = nn.Sequential(MixedPrecisionBlock(), MixedPrecisionBlock(), nn.Linear(6, 1))
+    reference = copy.deepcopy(model)
+
+    def groups(m):
+        return gs.groups_by(m, lambda n, p: p.ndim, {2: {"weight_decay": 0.1}, 1: {"lr": 0.02}})
+
+    sharded = gs.shard(model, groups(model), unit=MixedPrecisionBlock, strategy=strategy)
+    optimizer = torch.optim.AdamW(sharded.optimizer_groups(), lr=1e-2)
+    reference_optimizer = torch.optim.AdamW(groups(reference), lr=1e-2)
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(6):
+        inputs = torch.randn(4 * world_size, 6, generator=generator)
+        local = inputs.chunk(world_size)[rank]
+        sharded(local).square().mean().backward()
+        reference(inputs).square().mean().backward()
+        for opt in (optimizer, reference_optimizer):
+            opt.step()
+            opt.zero_grad()
+    difference = max_difference(gs.full_state_dict(sharded), reference.state_dict())
+    return difference, len(sharded.groupshard.storages)
+
+
+@pytest.mark.parametrize("strategy", ["full", "grad_op", "no_shard"])
+def test_mixed_dtypes_in_one_unit(run_ranks, strategy):
+    for difference, storages in run_ranks(2, mixed_dtype_case, strategy):
+        assert storages == 5  # two units x (float32, float64) + the root's float32
+        assert difference <= TOLERANCE
