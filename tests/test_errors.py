@@ -25,6 +25,10 @@ BAD_INPUTS = {
         + ([] if rank % 2 == 0 else [{"params": three_groups(m, 0.1)[2]["params"]}])
     ),
     "moved between groups on one rank": lambda m, rank: _moved(m, rank),
+    "other lr on one rank": lambda m, rank: [
+        {**g, "lr": 0.5 if rank == _last_rank() and "lr" in g else g.get("lr", 0.1)}
+        for g in three_groups(m, 0.1)
+    ],
     "bad only on the last rank": lambda m, rank, ws=None: (
         _trainable(m)[1:] if rank == _last_rank() else _trainable(m)
     ),
@@ -66,6 +70,7 @@ EXPECTED = {
     "different groups per rank": "Ranks disagree",
     "moved between groups on one rank": "Ranks disagree on how to shard the model: param group 0",
     "bad only on the last rank": "in no param group: 'logit_scale'",
+    "other lr on one rank": "Ranks disagree on how to shard the model: param group 2",
     "integer parameter": "'steps' has dtype torch.int64",
 }
 

@@ -217,7 +217,7 @@ def _signature(
     for group in groups.groups:
         signature[f"param group {group.index}"] = {
             "params": group.fqns,
-            "option keys": sorted(map(str, group.options)),
+            "hyperparameters": sorted((str(k), repr(v)) for k, v in group.options.items()),
         }
     signature["frozen parameters"] = groups.frozen
     signature["units"] = [
@@ -272,7 +272,7 @@ def shard(
         params = dict(model.named_parameters())
         world_size = 1 if strategy == "no_shard" else ranks.size
         layouts = _plan_storages(groups, plan, params, world_size)
-    except (ValueError, TypeError) as caught:
+    except Exception as caught:  # every rank must hear of any failure
         error = caught
     comm.raise_if_any_failed(error, ranks)
     _check_same_structure(_signature(groups, layouts, strategy), ranks)

@@ -45,13 +45,6 @@ class ResolvedGroups:
         """Map each trainable FQN to its group index."""
         return {fqn: group.index for group in self.groups for fqn in group.fqns}
 
-    def signature(self) -> tuple:
-        """What must be identical on every rank: names per group and option keys."""
-        return (
-            tuple((g.fqns, tuple(sorted(map(str, g.options)))) for g in self.groups),
-            self.frozen,
-        )
-
 
 def parameter_names(model: nn.Module) -> dict[int, str]:
     """``id(parameter) -> FQN``; a tied parameter gets its first name."""
