@@ -160,3 +160,35 @@ def equivalence_case(
         rank, world_size, strategy, optimizer, steps, units=UNIT_CHOICES[units]
     )
     return max_difference(gs.full_state_dict(sharded), reference.state_dict())
+
+
+def full_grads(sharded: gs.ShardedModule) -> dict[str, torch.Tensor]:
+    """Every original parameter's gradient, gathered from the shard gradients (test-only)."""
+    import torch.distributed as dist
+
+    grads: dict[str, torch.Tensor] = {}
+    for storage in sharded.groupshard.storages:
+        for shard, buffer in zip(storage.shards, storage.layout.buffers, strict=True):
+            if shard.grad is None:
+                continue
+            if storage.replicated:
+                unsharded = shard.grad.detach().clone()
+            else:
+                unsharded = shard.grad.new_empty(buffer.padded_numel)
+                dist.all_gather_into_tensor(unsharded, shard.grad.contiguous())
+            for slot in buffer.params:
+                grads[slot.fqn] = unsharded[slot.offset : slot.offset + slot.numel].view(slot.shape)
+    return grads
+
+
+def set_grad_element(sharded: gs.ShardedModule, fqn: str, index: int, value: float) -> None:
+    """Set element ``index`` of ``fqn``'s flattened gradient, on whichever rank holds it."""
+    for storage in sharded.groupshard.storages:
+        for shard, buffer in zip(storage.shards, storage.layout.buffers, strict=True):
+            for slot in buffer.params:
+                if slot.fqn != fqn:
+                    continue
+                start, end = buffer.shard_range(storage.shard_rank)
+                position = slot.offset + index
+                if start <= position < end:
+                    shard.grad.view(-1)[position - start] = value

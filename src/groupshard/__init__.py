@@ -1,13 +1,27 @@
 """groupshard: sharded data parallelism with optimizer parameter groups as first class."""
 
+from groupshard import optim
 from groupshard.api import ShardedModule, full_state_dict, shard, shard_optimizer
 from groupshard.groups import decay_groups, groups_by
+from groupshard.norms import (
+    clip_grad_norm_,
+    clip_grad_norm_per_group_,
+    grad_norms,
+    norm_report,
+    param_norms,
+)
 
 __all__ = [
     "ShardedModule",
+    "clip_grad_norm_",
+    "clip_grad_norm_per_group_",
     "decay_groups",
     "full_state_dict",
+    "grad_norms",
     "groups_by",
+    "norm_report",
+    "optim",
+    "param_norms",
     "shard",
     "shard_optimizer",
 ]

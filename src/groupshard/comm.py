@@ -65,6 +65,20 @@ def all_reduce_mean(tensor: torch.Tensor, ranks: Ranks) -> None:
     tensor.div_(ranks.size)
 
 
+def all_reduce_sum(tensor: torch.Tensor, ranks: Ranks) -> None:
+    """Sum ``tensor`` over ranks in place."""
+    if ranks.group is None:
+        return
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=ranks.group)
+
+
+def all_reduce_max(tensor: torch.Tensor, ranks: Ranks) -> None:
+    """Element-wise maximum of ``tensor`` over ranks, in place."""
+    if ranks.group is None:
+        return
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=ranks.group)
+
+
 def broadcast(tensor: torch.Tensor, ranks: Ranks, src_rank: int = 0) -> None:
     """Overwrite ``tensor`` with group rank ``src_rank``'s copy."""
     if ranks.group is None:

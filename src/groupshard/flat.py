@@ -15,12 +15,72 @@ Note: FSDP-style tensor vocabulary
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import nn
 
 from groupshard import comm
-from groupshard.layout import FlatBufferLayout, StorageLayout
+from groupshard.layout import FlatBufferLayout, Segment, StorageLayout
+
+SEGMENTS_ATTR = "groupshard_segments"
+
+
+@dataclass(frozen=True)
+class ShardSegments:
+    """How one shard parameter maps onto the original parameters.
+
+    Attached to every shard as ``shard.groupshard_segments``, so norm code and
+    layer-wise optimizers can reduce per original parameter (or per row) over the
+    flat shard. ``needs_reduce`` is False when this rank holds the whole buffer.
+    """
+
+    buffer: FlatBufferLayout
+    shard_rank: int
+    ranks: comm.Ranks
+    replicated: bool
+    device: torch.device
+
+    @property
+    def needs_reduce(self) -> bool:
+        return not self.replicated and self.ranks.size > 1
+
+    @property
+    def fqns(self) -> tuple[str, ...]:
+        return tuple(slot.fqn for slot in self.buffer.params)
+
+    @property
+    def num_rows(self) -> int:
+        return sum(self.buffer.row_counts())
+
+    @cached_property
+    def pieces(self) -> tuple[Segment, ...]:
+        """The segment map of this shard: consecutive parameter pieces, then padding."""
+        return self.buffer.segments(self.shard_rank)
+
+    @property
+    def padding_numel(self) -> int:
+        return self.buffer.shard_numel - sum(piece.numel for piece in self.pieces)
+
+    @cached_property
+    def first_rows(self) -> tuple[int, ...]:
+        """Index of each parameter's first row among all rows of the buffer."""
+        counts = self.buffer.row_counts()
+        return tuple(sum(counts[:index]) for index in range(len(counts)))
+
+    @cached_property
+    def segment_ids(self) -> torch.Tensor:
+        return self.buffer.segment_ids(self.shard_rank).to(self.device)
+
+    @cached_property
+    def row_ids(self) -> torch.Tensor:
+        return self.buffer.row_ids(self.shard_rank).to(self.device)
+
+
+def segments_of(tensor: torch.Tensor) -> ShardSegments | None:
+    """The segment map of a groupshard shard, or None for a plain tensor."""
+    return getattr(tensor, SEGMENTS_ATTR, None)
 
 
 def _flatten_buffer(buffer: FlatBufferLayout, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -65,6 +125,9 @@ class FlatStorage:
             )
             for i, b in enumerate(layout.buffers)
         ]
+        for shard, buffer in zip(self.shards, layout.buffers, strict=True):
+            segments = ShardSegments(buffer, self.shard_rank, ranks, self.replicated, device)
+            setattr(shard, SEGMENTS_ATTR, segments)
         trainable, frozen = layout.trainable_unsharded_numel, layout.frozen_unsharded_numel
         if self.replicated:
             self.unsharded_trainable = self.local[:trainable].detach()

@@ -116,6 +116,35 @@ class FlatBufferLayout:
             ids[segment.shard_offset : segment.shard_offset + segment.numel] = segment.param_index
         return ids
 
+    def row_numels(self) -> tuple[int, ...]:
+        """Elements per row of each parameter: a row is ``param[i]`` for a matrix or
+        higher, the whole tensor for a vector or scalar (the units of unit-wise norms)."""
+        return tuple(
+            slot.numel // slot.shape[0] if len(slot.shape) >= 2 and slot.shape[0] else slot.numel
+            for slot in self.params
+        )
+
+    def row_counts(self) -> tuple[int, ...]:
+        """Rows of each parameter (see ``row_numels``)."""
+        return tuple(
+            slot.numel // row if row else 0
+            for slot, row in zip(self.params, self.row_numels(), strict=True)
+        )
+
+    def row_ids(self, rank: int) -> torch.Tensor:
+        """Per shard element, its row's index over the whole buffer; padding gets the
+        number of rows. Lets row-wise reductions be one ``index_add_`` too."""
+        counts = self.row_counts()
+        total_rows = sum(counts)
+        ids = torch.full((self.shard_numel,), total_rows, dtype=torch.int64)
+        row_numels = self.row_numels()
+        first_rows = [sum(counts[:index]) for index in range(len(counts))]
+        for segment in self.segments(rank):
+            positions = torch.arange(segment.param_offset, segment.param_offset + segment.numel)
+            rows = positions // row_numels[segment.param_index] + first_rows[segment.param_index]
+            ids[segment.shard_offset : segment.shard_offset + segment.numel] = rows
+        return ids
+
 
 def build_flat_buffer(
     group_index: int, named_shapes: Sequence[tuple[str, tuple[int, ...]]], world_size: int
