@@ -17,8 +17,9 @@ class OptimizerWrapper(torch.optim.Optimizer):
             raise TypeError(
                 f"Expects a torch.optim.Optimizer to wrap but got {type(optimizer).__name__}"
             )
-        self.optimizer = optimizer
+        # Optimizer.__init__ re-adds the inner groups (the same dicts) before we link.
         super().__init__(optimizer.param_groups, {**optimizer.defaults, **defaults})
+        self.optimizer = optimizer
         self._link()
 
     def _link(self) -> None:
