@@ -1,6 +1,7 @@
 """A first, rough step-time comparison: groupshard "full" against FSDP2 ``fully_shard``.
 
-Same model, same two param groups (decay / no decay), same AdamW, world size 2,
+Same model, same two param groups (decay / no decay), AdamW and LAMB (FSDP2 gets a
+straightforward per-parameter LAMB on its DTensors), world size 2,
 gloo on CPU, one thread per rank; the two systems are timed interleaved, round by
 round, so machine noise hits both alike. Not the project benchmark (see the issue
 on benchmarks): no memory or collective accounting here.
@@ -27,12 +28,69 @@ import groupshard as gs
 from groupshard.model import GPT, Block, GPTConfig
 
 
+class PerParameterLAMB(torch.optim.Optimizer):
+    """A straightforward LAMB, one tensor at a time (on DTensors each norm is a collective)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["m"], state["v"] = torch.zeros_like(p), torch.zeros_like(p)
+                state["step"] += 1
+                state["m"].lerp_(p.grad, 1 - beta1)
+                state["v"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                m_hat = state["m"] / (1 - beta1 ** state["step"])
+                v_hat = state["v"] / (1 - beta2 ** state["step"])
+                update = m_hat / (v_hat.sqrt() + group["eps"]) + group["weight_decay"] * p
+                w_norm, u_norm = p.norm(), update.norm()
+                if hasattr(w_norm, "full_tensor"):
+                    w_norm, u_norm = w_norm.full_tensor(), u_norm.full_tensor()
+                trust = (w_norm / u_norm).item() if w_norm > 0 and u_norm > 0 else 1.0
+                p.add_(update, alpha=-group["lr"] * trust)
+
+
 def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor) -> float:
     started = time.perf_counter()
     model(batch[:, :-1], batch[:, 1:]).backward()
     optimizer.step()
     optimizer.zero_grad()
     return time.perf_counter() - started
+
+
+OPTIMIZERS = {
+    "AdamW": lambda groups: torch.optim.AdamW(groups, lr=1e-4),
+    "LAMB": lambda groups: gs.optim.LAMB(groups, lr=1e-3),
+    "per-parameter LAMB": lambda groups: PerParameterLAMB(groups, lr=1e-3),
+}
+
+
+def _systems(base: GPT) -> list[tuple[str, torch.nn.Module, torch.optim.Optimizer]]:
+    systems = []
+    for optimizer in ("AdamW", "LAMB"):
+        model = copy.deepcopy(base)
+        groups = gs.decay_groups(model, 0.1)
+        model = gs.shard(model, groups, unit=Block, strategy="full")
+        systems.append(
+            (f"groupshard {optimizer}", model, OPTIMIZERS[optimizer](model.optimizer_groups()))
+        )
+    for optimizer in ("AdamW", "per-parameter LAMB"):
+        model = copy.deepcopy(base)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        systems.append(
+            (f"FSDP2 {optimizer}", model, OPTIMIZERS[optimizer](gs.decay_groups(model, 0.1)))
+        )
+    return systems
 
 
 def _worker(rank: int, args: argparse.Namespace, store_path: str) -> None:
@@ -43,23 +101,13 @@ def _worker(rank: int, args: argparse.Namespace, store_path: str) -> None:
     )
     torch.manual_seed(0)
     config = GPTConfig(256, args.seq, args.layers, 8, args.width)
-    base = GPT(config)
-    fsdp_model = copy.deepcopy(base)
-    for block in fsdp_model.blocks:
-        fully_shard(block)
-    fully_shard(fsdp_model)
-    fsdp_opt = torch.optim.AdamW(gs.decay_groups(fsdp_model, 0.1), lr=1e-4)
-    ours = gs.shard(base, gs.decay_groups(base, 0.1), unit=Block, strategy="full")
-    ours_opt = torch.optim.AdamW(ours.optimizer_groups(), lr=1e-4)
+    systems = _systems(GPT(config))
     batch = torch.randint(0, 256, (args.batch, args.seq + 1))
-    times: dict[str, list[float]] = {"groupshard full": [], "FSDP2": []}
+    times: dict[str, list[float]] = {name: [] for name, _, _ in systems}
     for round_index in range(args.warmup + args.rounds):
-        for name, model, opt in (
-            ("groupshard full", ours, ours_opt),
-            ("FSDP2", fsdp_model, fsdp_opt),
-        ):
+        for name, model, optimizer in systems:
             dist.barrier()
-            elapsed = _step(model, opt, batch)
+            elapsed = _step(model, optimizer, batch)
             if round_index >= args.warmup:
                 times[name].append(elapsed)
     if rank == 0:
@@ -71,9 +119,12 @@ def _worker(rank: int, args: argparse.Namespace, store_path: str) -> None:
         medians = {name: statistics.median(t) * 1e3 for name, t in times.items()}
         for name, median in medians.items():
             print(
-                f"{name:16s} median {median:7.1f} ms/step  ratio to FSDP2 "
-                f"{median / medians['FSDP2']:.2f}"
+                f"{name:26s} median {median:7.1f} ms/step  ratio to FSDP2 AdamW "
+                f"{median / medians['FSDP2 AdamW']:.2f}"
             )
+        ours = medians["groupshard LAMB"] / medians["groupshard AdamW"]
+        theirs = medians["FSDP2 per-parameter LAMB"] / medians["FSDP2 AdamW"]
+        print(f"LAMB / AdamW: groupshard {ours:.2f}, FSDP2 {theirs:.2f}")
     dist.destroy_process_group()
 
 
