@@ -10,9 +10,11 @@ from groupshard.norms import (
     norm_report,
     param_norms,
 )
+from groupshard.zero import ZeroRedundancyOptimizer
 
 __all__ = [
     "ShardedModule",
+    "ZeroRedundancyOptimizer",
     "clip_grad_norm_",
     "clip_grad_norm_per_group_",
     "decay_groups",

@@ -1,0 +1,351 @@
+"""The ZeRO-1 optimizer front-end: a drop-in for torch's ZeroRedundancyOptimizer that
+takes param groups in its constructor and partitions by element, not by parameter.
+
+Each (param group, dtype) becomes one flat bucket; every rank owns an equal slice
+of it (``layout``), so optimizer state per rank is within a few elements of 1/N
+whatever the parameter sizes, and layer-wise optimizers (``gs.optim.LAMB``...) see
+the segment map of their slice and stay exact. After the local step one all-gather
+per bucket refreshes the parameters.
+
+For ZeRO-2 (gradients reduce-scattered, each rank keeping only its slice) use
+``gs.shard(model, groups, strategy="grad_op")`` with any torch optimizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from groupshard import comm
+from groupshard.flat import SEGMENTS_ATTR, ShardSegments
+from groupshard.layout import build_flat_buffer
+
+
+def _param_name(group_index: int, position: int) -> str:
+    return f"param_groups[{group_index}]['params'][{position}]"
+
+
+def _check_params(params: Any) -> list[Any]:
+    """The validation of torch's ZeroRedundancyOptimizer, naming what is wrong."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError(
+            f"`params` argument should be an iterable of Tensors, but got {torch.typename(params)}"
+        )
+    try:
+        entries = list(params)
+    except TypeError as error:
+        raise TypeError(
+            "`params` argument should be an iterable of Tensors or dicts, "
+            f"but got {torch.typename(params)}"
+        ) from error
+    if not entries:
+        raise ValueError("ZeroRedundancyOptimizer got an empty parameter list")
+    if all(isinstance(e, dict) for e in entries):
+        groups = [dict(group) for group in entries]
+    elif all(isinstance(e, torch.Tensor) for e in entries):
+        groups = [{"params": entries}]
+    else:
+        bad = next(e for e in entries if not isinstance(e, (torch.Tensor, dict)))
+        raise TypeError(
+            "`params` argument should be an iterable of Tensors or dicts, but it contains "
+            f"a {type(bad).__name__}"
+        )
+    for index, group in enumerate(groups):
+        if "params" not in group:
+            raise ValueError(f"Param group {index} has no 'params' key")
+        tensors = group["params"]
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        for position, tensor in enumerate(tensors):
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(
+                    f"{_param_name(index, position)} is a {type(tensor).__name__}, not a Tensor"
+                )
+            if tensor.is_sparse:
+                raise ValueError(
+                    f"{_param_name(index, position)} is sparse; ZeroRedundancyOptimizer only "
+                    "supports dense parameters"
+                )
+            if torch.typename(tensor) != torch.typename(tensors[0]):
+                raise ValueError(
+                    f"Param group {index} mixes dense types: {_param_name(index, 0)} is "
+                    f"{torch.typename(tensors[0])} but {_param_name(index, position)} is "
+                    f"{torch.typename(tensor)}; put them in separate groups"
+                )
+        group["params"] = tensors
+    return groups
+
+
+class _Bucket:
+    """One group's parameters as a flat buffer, and this rank's slice of it."""
+
+    def __init__(
+        self, group_index: int, params: list[torch.Tensor], ranks: comm.Ranks, as_view: bool
+    ) -> None:
+        self.params = params
+        self.ranks = ranks
+        self.layout = build_flat_buffer(
+            group_index,
+            [(_param_name(group_index, i), tuple(p.shape)) for i, p in enumerate(params)],
+            ranks.size,
+        )
+        flat = self._flatten([p.detach() for p in params])
+        start, end = self.layout.shard_range(ranks.rank)
+        self.flat = flat if as_view else None  # 1D, padded; the parameters view it
+        if as_view:
+            with torch.no_grad():
+                for param, view in zip(params, self._param_views(flat), strict=True):
+                    param.data = view
+            self.shard = nn.Parameter(flat[start:end])
+        else:
+            self.shard = nn.Parameter(flat[start:end].clone())
+        segments = ShardSegments(self.layout, ranks.rank, ranks, False, flat.device)
+        setattr(self.shard, SEGMENTS_ATTR, segments)
+
+    def _flatten(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        padding = tensors[0].new_zeros(self.layout.padding_numel)
+        return torch.cat([t.reshape(-1) for t in tensors] + [padding])
+
+    def _param_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        pieces = flat.split(self.layout.split_sizes)[:-1]
+        return [piece.view(p.shape) for piece, p in zip(pieces, self.params, strict=True)]
+
+    def load_shard_gradient(self) -> None:
+        """This rank's slice of the parameters' gradients (missing ones count as zero)."""
+        if all(p.grad is None for p in self.params):
+            self.shard.grad = None
+            return
+        pieces = []
+        for segment in self.layout.segments(self.ranks.rank):
+            grad = self.params[segment.param_index].grad
+            if grad is None:
+                pieces.append(self.shard.new_zeros(segment.numel))
+            else:
+                flat_grad = grad.detach().reshape(-1)
+                pieces.append(
+                    flat_grad[segment.param_offset : segment.param_offset + segment.numel]
+                )
+        used = sum(piece.numel() for piece in pieces)
+        pieces.append(self.shard.new_zeros(self.layout.shard_numel - used))
+        self.shard.grad = torch.cat(pieces)
+
+    def gather(self) -> None:
+        """All-gather every rank's updated slice into the parameters (one collective)."""
+        self.shard.grad = None
+        if self.flat is not None:
+            comm.all_gather(self.flat, self.shard.detach().clone(), self.ranks)
+            return
+        flat = self.shard.new_empty(self.layout.padded_numel)
+        comm.all_gather(flat, self.shard.detach(), self.ranks)
+        with torch.no_grad():
+            torch._foreach_copy_([p.data for p in self.params], self._param_views(flat))
+
+    def full_state(self, value: torch.Tensor) -> list[torch.Tensor]:
+        """Gather a per-element state slice into one tensor per parameter (shape of each)."""
+        flat = value.new_empty(self.layout.padded_numel)
+        comm.all_gather(flat, value.contiguous(), self.ranks)
+        return [view.clone() for view in self._param_views(flat)]
+
+    def shard_state(self, values: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's slice of per-parameter state tensors laid out like the bucket."""
+        start, end = self.layout.shard_range(self.ranks.rank)
+        flat = self._flatten([v.to(self.shard.device, self.shard.dtype) for v in values])
+        return flat[start:end].clone()
+
+
+SCALAR_STATE = ("step", "mu_product")
+"""State keys of torch optimizers that hold one value per parameter, not per element."""
+
+
+def _is_per_element(value: Any, bucket: _Bucket) -> bool:
+    """Whether a local state value is laid out like the bucket's slice (vs a scalar)."""
+    return isinstance(value, torch.Tensor) and value.shape == bucket.shard.shape and value.dim() > 0
+
+
+def _is_per_parameter(key: str, values: list[Any], params: list[torch.Tensor]) -> bool:
+    """Whether saved state values are shaped like their parameters (vs scalars like "step").
+
+    For 0-d parameters the shapes cannot tell, so the known scalar keys decide.
+    """
+    if not all(
+        isinstance(v, torch.Tensor) and v.shape == p.shape
+        for v, p in zip(values, params, strict=True)
+    ):
+        return False
+    return any(p.dim() > 0 for p in params) or key not in SCALAR_STATE
+
+
+class ZeroRedundancyOptimizer(torch.optim.Optimizer):
+    """Shard any torch optimizer's state across ranks, param groups included.
+
+    Used as torch's ``ZeroRedundancyOptimizer``: gradients already averaged (by DDP
+    or the caller), then ``step()``.
+
+    Args:
+        params: tensors, a generator of them, or param-group dicts with "params" and
+            per-group hyperparameters (the list you would give ``torch.optim``).
+        optimizer_class: the local optimizer, e.g. ``torch.optim.AdamW``.
+        process_group: defaults to the default group (a single process if none).
+        parameters_as_bucket_view: make the parameters views into the flat buckets,
+            so the all-gather writes them in place (no copy).
+        **defaults: the optimizer's keyword arguments.
+
+    Note:
+        Within a bucket, a parameter without a gradient counts as a zero gradient
+        while others in its group have one (a group where none has one is skipped).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        optimizer_class: type[torch.optim.Optimizer],
+        process_group: Any = None,
+        parameters_as_bucket_view: bool = False,
+        **defaults: Any,
+    ) -> None:
+        self.ranks = comm.resolve_ranks(process_group)
+        self.parameters_as_bucket_view = parameters_as_bucket_view
+        self.optimizer_class = optimizer_class
+        self._buckets: list[_Bucket] = []  # one per group, in group order
+        self._consolidated: dict[str, Any] | None = None
+        error: BaseException | None = None
+        try:
+            super().__init__(_check_params(params), defaults)
+            self.optim = optimizer_class(
+                [self._local_group(group) for group in self.param_groups], **defaults
+            )
+        except Exception as caught:  # every rank must hear of any failure
+            error = caught
+        comm.raise_if_any_failed(error, self.ranks)
+        shapes = [[tuple(p.shape) for p in g["params"]] for g in self.param_groups]
+        if len({repr(s) for s in comm.gather_objects(shapes, self.ranks)}) > 1:
+            raise ValueError(
+                "Ranks passed different param groups to ZeroRedundancyOptimizer (the "
+                f"parameter shapes per group differ; this rank has {shapes})"
+            )
+        self._sync(self.optim.param_groups, self.param_groups)
+
+    @property
+    def rank(self) -> int:
+        return self.ranks.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.ranks.size
+
+    def _local_group(self, group: dict[str, Any]) -> dict[str, Any]:
+        bucket = _Bucket(
+            len(self._buckets), group["params"], self.ranks, self.parameters_as_bucket_view
+        )
+        self._buckets.append(bucket)
+        return {**{k: v for k, v in group.items() if k != "params"}, "params": [bucket.shard]}
+
+    @staticmethod
+    def _sync(source: list[dict[str, Any]], target: list[dict[str, Any]]) -> None:
+        """Copy every hyperparameter from ``source`` groups to ``target`` groups."""
+        for source_group, target_group in zip(source, target, strict=True):
+            for key, value in source_group.items():
+                if key != "params":
+                    target_group[key] = value
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group: it gets its own bucket; existing partitions and state stay as they are."""
+        super().add_param_group(param_group)
+        if hasattr(self, "optim"):  # after construction
+            self.optim.add_param_group(self._local_group(self.param_groups[-1]))
+            self._sync(self.optim.param_groups[-1:], self.param_groups[-1:])
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:
+        """Step the local optimizer on this rank's slices, then all-gather the parameters."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for bucket in self._buckets:
+            bucket.load_shard_gradient()
+        self._sync(self.param_groups, self.optim.param_groups)
+        self.optim.step(**kwargs)
+        self._sync(self.optim.param_groups, self.param_groups)
+        for bucket in self._buckets:
+            bucket.gather()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self.optim.zero_grad(set_to_none)
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather the full optimizer state on group rank ``to`` (collective: call on all ranks)."""
+        state: dict[int, dict[str, Any]] = {}
+        index = 0
+        for bucket in self._buckets:
+            local = self.optim.state.get(bucket.shard, {})
+            per_param: list[dict[str, Any]] = [{} for _ in bucket.params]
+            for key, value in sorted(local.items()):
+                if _is_per_element(value, bucket):
+                    for entry, full in zip(per_param, bucket.full_state(value), strict=True):
+                        entry[key] = full
+                else:
+                    for entry in per_param:
+                        entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
+            for entry in per_param:
+                if entry:
+                    state[index] = entry
+                index += 1
+        if self.rank == to:
+            self._consolidated = {"state": state, "param_groups": self._indexed_groups()}
+        else:
+            self._consolidated = None
+
+    def _indexed_groups(self) -> list[dict[str, Any]]:
+        groups, index = [], 0
+        for group in self.param_groups:
+            count = len(group["params"])
+            groups.append({**{k: v for k, v in group.items() if k != "params"},
+                           "params": list(range(index, index + count))})  # fmt: skip
+            index += count
+        return groups
+
+    def state_dict(self) -> dict[str, Any]:
+        """The consolidated state in plain torch.optim format (after consolidate_state_dict)."""
+        if self._consolidated is None:
+            raise RuntimeError(
+                "Optimizer state has not been consolidated on this rank. Please call "
+                f"`consolidate_state_dict(to={self.rank})` on all ranks beforehand if you meant "
+                "to save the global state."
+            )
+        return self._consolidated
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a plain torch.optim state dict (from an unsharded optimizer, or this one saved
+        at any world size): each rank keeps its slice."""
+        groups = state_dict["param_groups"]
+        sizes = [len(g["params"]) for g in self.param_groups]
+        saved = [len(g["params"]) for g in groups]
+        if sizes != saved:
+            raise ValueError(
+                f"The state dict has param groups of sizes {saved} but this optimizer has {sizes}"
+            )
+        self._sync(groups, self.param_groups)
+        self._sync(self.param_groups, self.optim.param_groups)
+        for bucket, group in zip(self._buckets, groups, strict=True):
+            entries = [state_dict["state"].get(i) for i in group["params"]]
+            self.optim.state.pop(bucket.shard, None)
+            if all(entry is None for entry in entries):
+                continue
+            if any(entry is None for entry in entries):
+                raise ValueError(
+                    "The state dict has state for only some parameters of param group "
+                    f"{bucket.layout.group_index}; expects all or none"
+                )
+            local: dict[str, Any] = {}
+            for key, first in entries[0].items():
+                values = [entry[key] for entry in entries]
+                if _is_per_parameter(key, values, bucket.params):
+                    local[key] = bucket.shard_state(values)
+                else:
+                    local[key] = first.clone() if isinstance(first, torch.Tensor) else first
+            self.optim.state[bucket.shard] = local

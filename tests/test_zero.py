@@ -1,0 +1,257 @@
+"""gs.ZeroRedundancyOptimizer: torch's API, param groups in the constructor, element balance."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import groupshard as gs
+
+from helpers import BATCH_PER_RANK, EdgeGPT, global_batches, max_difference
+
+TOLERANCE = 1e-5
+
+
+def two_groups(model):
+    """gain/bias without decay, the rest with decay and another lr."""
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    rest = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    return [
+        {"params": no_decay, "weight_decay": 0.0},
+        {"params": rest, "weight_decay": 0.1, "lr": 2e-3},
+    ]
+
+
+OPTIMIZERS = {
+    "adamw": (torch.optim.AdamW, {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8}),
+    "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+    "lamb": (gs.optim.LAMB, {"lr": 1e-2}),
+}
+
+
+def _local(rank, inputs, targets):
+    local = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
+    return inputs[local], targets[local]
+
+
+def _step_both(ddp, zero, reference, reference_opt, batch, rank):
+    ddp(*_local(rank, *batch)).backward()
+    zero.step()
+    zero.zero_grad()
+    reference(*batch).backward()
+    reference_opt.step()
+    reference_opt.zero_grad()
+
+
+def equivalence_case(rank, world_size, name, bucket_view, schedule=False, add_group_at=None):
+    torch.manual_seed(0)
+    model = EdgeGPT()
+    reference = copy.deepcopy(model)
+    optimizer_class, kwargs = OPTIMIZERS[name]
+    groups, reference_groups = two_groups(model), two_groups(reference)
+    if add_group_at is not None:  # the 1-D group joins later
+        late, reference_late = groups.pop(0), reference_groups.pop(0)
+    zero = gs.ZeroRedundancyOptimizer(
+        groups, optimizer_class, parameters_as_bucket_view=bucket_view, **kwargs
+    )
+    assert len(zero.optim.param_groups) == len(groups)
+    reference_opt = optimizer_class(reference_groups, **kwargs)
+    schedulers = []
+    if schedule:
+        schedulers = [torch.optim.lr_scheduler.StepLR(o, 3, 0.5) for o in (zero, reference_opt)]
+    ddp = DDP(model)
+    for step, batch in enumerate(global_batches(10, world_size)):
+        if step == add_group_at:
+            zero.add_param_group({**late, "lr": 5e-3})
+            reference_opt.add_param_group({**reference_late, "lr": 5e-3})
+        _step_both(ddp, zero, reference, reference_opt, batch, rank)
+        for scheduler in schedulers:
+            scheduler.step()
+    lrs = [g["lr"] for g in zero.param_groups], [g["lr"] for g in reference_opt.param_groups]
+    return max_difference(model.state_dict(), reference.state_dict()), lrs
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+@pytest.mark.parametrize("bucket_view", [False, True])
+def test_matches_single_process(run_ranks, world_size, name, bucket_view):
+    for difference, _ in run_ranks(world_size, equivalence_case, name, bucket_view):
+        assert difference <= TOLERANCE
+
+
+def test_layer_wise_optimizer_is_exact_on_slices(run_ranks):
+    for difference, _ in run_ranks(3, equivalence_case, "lamb", False):
+        assert difference <= TOLERANCE
+
+
+def test_add_param_group_mid_training(run_ranks):
+    for difference, (lrs, reference_lrs) in run_ranks(
+        2, equivalence_case, "adamw", False, False, 4
+    ):
+        assert difference <= TOLERANCE
+        assert lrs == reference_lrs == [2e-3, 5e-3]
+
+
+def test_lr_scheduler(run_ranks):
+    for difference, (lrs, reference_lrs) in run_ranks(2, equivalence_case, "adamw", True, True):
+        assert difference <= TOLERANCE
+        assert lrs == reference_lrs and lrs[0] == pytest.approx(1e-3 * 0.5**3)
+
+
+def test_inner_defaults_show_through_and_generators_are_accepted():
+    model = EdgeGPT()
+    zero = gs.ZeroRedundancyOptimizer(
+        (p for p in model.parameters() if p.requires_grad), torch.optim.AdamW, lr=1e-3
+    )
+    assert len(zero.param_groups) == 1 and zero.param_groups[0]["amsgrad"] is False
+    assert zero.param_groups[0]["weight_decay"] == 0.01  # AdamW's own default
+
+
+@pytest.mark.parametrize(
+    ("params", "error", "message"),
+    [
+        (lambda m: [], ValueError, "empty parameter list"),
+        (lambda m: m.logit_scale, TypeError, "iterable of Tensors"),
+        (lambda m: 1.0, TypeError, "iterable of Tensors or dicts"),
+        (lambda m: [m.logit_scale, 3], TypeError, "contains a int"),
+        (lambda m: [{"params": [m.logit_scale, "x"]}], TypeError, r"\['params'\]\[1\] is a str"),
+        (lambda m: [nn.Parameter(torch.eye(2).to_sparse())], ValueError, "sparse"),
+        (
+            lambda m: [
+                {"params": [m.logit_scale, nn.Parameter(torch.ones(2, dtype=torch.float64))]}
+            ],
+            ValueError,
+            "Param group 0 mixes dense types",
+        ),
+    ],
+)
+def test_constructor_errors(params, error, message):
+    with pytest.raises(error, match=message):
+        gs.ZeroRedundancyOptimizer(params(EdgeGPT()), torch.optim.AdamW, lr=1e-3)
+
+
+def error_on_one_rank_case(rank, world_size):
+    model = EdgeGPT()
+    params = [] if rank == world_size - 1 else list(model.parameters())
+    try:
+        gs.ZeroRedundancyOptimizer(params, torch.optim.AdamW, lr=1e-3)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_error_on_one_rank_fails_every_rank(run_ranks):
+    messages = run_ranks(3, error_on_one_rank_case)
+    assert "rank 2 failed: ZeroRedundancyOptimizer got an empty parameter list" in messages[0]
+    assert messages[2] == "ZeroRedundancyOptimizer got an empty parameter list"
+
+
+def _plain_continue(model, state_dict, batches, groups_of):
+    optimizer = torch.optim.AdamW(groups_of(model), **OPTIMIZERS["adamw"][1])
+    optimizer.load_state_dict(state_dict)
+    for batch in batches:
+        model(*batch).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model
+
+
+def state_dict_case(rank, world_size):
+    """ZeRO at this world size -> plain AdamW on one process, and plain -> ZeRO."""
+    torch.manual_seed(0)
+    batches = global_batches(10, world_size)
+    model = EdgeGPT()
+    reference = copy.deepcopy(model)
+    plain_first = copy.deepcopy(model)
+    zero = gs.ZeroRedundancyOptimizer(
+        two_groups(model), torch.optim.AdamW, **OPTIMIZERS["adamw"][1]
+    )
+    reference_opt = torch.optim.AdamW(two_groups(reference), **OPTIMIZERS["adamw"][1])
+    ddp = DDP(model)
+    for batch in batches[:5]:
+        _step_both(ddp, zero, reference, reference_opt, batch, rank)
+    zero.consolidate_state_dict(to=0)
+    if rank == 0:
+        saved = zero.state_dict()
+        resumed = _plain_continue(copy.deepcopy(model), saved, batches[5:], two_groups)
+    # plain for 5 steps, then ZeRO continues from its state dict
+    plain_opt = torch.optim.AdamW(two_groups(plain_first), **OPTIMIZERS["adamw"][1])
+    for batch in batches[:5]:
+        plain_first(*batch).backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+    continued = copy.deepcopy(plain_first)
+    zero_after = gs.ZeroRedundancyOptimizer(two_groups(continued), torch.optim.AdamW, lr=0.5)
+    zero_after.load_state_dict(plain_opt.state_dict())
+    assert zero_after.param_groups[1]["lr"] == 2e-3  # hyperparameters come from the state dict
+    ddp_after = DDP(continued)
+    for batch in batches[5:]:
+        _step_both(ddp, zero, reference, reference_opt, batch, rank)
+        ddp_after(*_local(rank, *batch)).backward()
+        zero_after.step()
+        zero_after.zero_grad()
+    results = {"plain -> zero": max_difference(continued.state_dict(), reference.state_dict())}
+    if rank == 0:
+        results["zero -> plain"] = max_difference(resumed.state_dict(), reference.state_dict())
+        results["state keys"] = sorted(saved["state"][0])
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_state_dict_round_trips(run_ranks, world_size):
+    results = run_ranks(world_size, state_dict_case)
+    assert results[0]["state keys"] == ["exp_avg", "exp_avg_sq", "step"]
+    assert results[0]["zero -> plain"] <= TOLERANCE
+    for result in results:
+        assert result["plain -> zero"] <= TOLERANCE
+
+
+class HugeAndTiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.huge = nn.Linear(300, 300)
+        self.tiny = nn.ParameterList(nn.Parameter(torch.randn(3)) for _ in range(40))
+
+    def forward(self, x):
+        return self.huge(x) + sum(self.tiny).sum()
+
+
+def _state_bytes(optimizer):
+    return sum(
+        value.numel() * value.element_size()
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor) and value.dim() > 0
+    )
+
+
+def balance_case(rank, world_size):
+    torch.manual_seed(0)
+    model = HugeAndTiny()
+    torch_model = copy.deepcopy(model)
+    ours = gs.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    theirs = TorchZero(torch_model.parameters(), torch.optim.AdamW, lr=1e-3)
+    inputs = torch.randn(4, 300, generator=torch.Generator().manual_seed(1))
+    for m, optimizer in ((DDP(model), ours), (DDP(torch_model), theirs)):
+        for _ in range(3):
+            m(inputs).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    difference = max_difference(model.state_dict(), torch_model.state_dict())
+    return _state_bytes(ours.optim), _state_bytes(theirs.optim), difference
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_balance_by_element_and_same_result_as_torch(run_ranks, world_size):
+    results = run_ranks(world_size, balance_case)
+    ours = [r[0] for r in results]
+    theirs = [r[1] for r in results]
+    assert max(ours) / min(ours) <= 1.01, ours
+    print(f"\nworld size {world_size}: state bytes per rank groupshard {ours}, torch {theirs}")
+    assert max(theirs) / min(theirs) > 1.5  # torch's whole-parameter partition, for comparison
+    assert all(r[2] <= TOLERANCE for r in results)
