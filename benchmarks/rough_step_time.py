@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import groupshard as gs
 from groupshard.model import GPT, Block, GPTConfig
@@ -90,6 +92,26 @@ def _systems(base: GPT) -> list[tuple[str, torch.nn.Module, torch.optim.Optimize
         systems.append(
             (f"FSDP2 {optimizer}", model, OPTIMIZERS[optimizer](gs.decay_groups(model, 0.1)))
         )
+    for name, zero_class in (
+        ("groupshard ZeRO + DDP", gs.ZeroRedundancyOptimizer),
+        ("torch ZeRO + DDP", ZeroRedundancyOptimizer),
+    ):
+        model = copy.deepcopy(base)
+        groups = gs.decay_groups(model, 0.1)
+        if zero_class is ZeroRedundancyOptimizer:  # torch's takes one group in its constructor
+            optimizer = zero_class(
+                groups[0]["params"],
+                torch.optim.AdamW,
+                lr=1e-4,
+                weight_decay=0.1,
+                parameters_as_bucket_view=True,
+            )
+            optimizer.add_param_group(groups[1])
+        else:
+            optimizer = zero_class(
+                groups, torch.optim.AdamW, lr=1e-4, parameters_as_bucket_view=True
+            )
+        systems.append((name, DDP(model), optimizer))
     return systems
 
 
@@ -125,6 +147,8 @@ def _worker(rank: int, args: argparse.Namespace, store_path: str) -> None:
         ours = medians["groupshard LAMB"] / medians["groupshard AdamW"]
         theirs = medians["FSDP2 per-parameter LAMB"] / medians["FSDP2 AdamW"]
         print(f"LAMB / AdamW: groupshard {ours:.2f}, FSDP2 {theirs:.2f}")
+        zero = medians["groupshard ZeRO + DDP"] / medians["torch ZeRO + DDP"]
+        print(f"ZeRO optimizers, groupshard / torch: {zero:.2f}")
     dist.destroy_process_group()
 
 
