@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from groupshard import comm
+from groupshard import comm, flatstate
 from groupshard.flat import SEGMENTS_ATTR, ShardSegments
 from groupshard.layout import build_flat_buffer
 
@@ -91,26 +91,18 @@ class _Bucket:
             [(_param_name(group_index, i), tuple(p.shape)) for i, p in enumerate(params)],
             ranks.size,
         )
-        flat = self._flatten([p.detach() for p in params])
+        flat = flatstate.flatten([p.detach() for p in params], self.layout)
         start, end = self.layout.shard_range(ranks.rank)
         self.flat = flat if as_view else None  # 1D, padded; the parameters view it
         if as_view:
             with torch.no_grad():
-                for param, view in zip(params, self._param_views(flat), strict=True):
+                for param, view in zip(params, flatstate.split(flat, self.layout), strict=True):
                     param.data = view
             self.shard = nn.Parameter(flat[start:end])
         else:
             self.shard = nn.Parameter(flat[start:end].clone())
         segments = ShardSegments(self.layout, ranks.rank, ranks, False, flat.device)
         setattr(self.shard, SEGMENTS_ATTR, segments)
-
-    def _flatten(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        padding = tensors[0].new_zeros(self.layout.padding_numel)
-        return torch.cat([t.reshape(-1) for t in tensors] + [padding])
-
-    def _param_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        pieces = flat.split(self.layout.split_sizes)[:-1]
-        return [piece.view(p.shape) for piece, p in zip(pieces, self.params, strict=True)]
 
     def load_shard_gradient(self) -> None:
         """This rank's slice of the parameters' gradients (missing ones count as zero)."""
@@ -140,41 +132,7 @@ class _Bucket:
         flat = self.shard.new_empty(self.layout.padded_numel)
         comm.all_gather(flat, self.shard.detach(), self.ranks)
         with torch.no_grad():
-            torch._foreach_copy_([p.data for p in self.params], self._param_views(flat))
-
-    def full_state(self, value: torch.Tensor) -> list[torch.Tensor]:
-        """Gather a per-element state slice into one tensor per parameter (shape of each)."""
-        flat = value.new_empty(self.layout.padded_numel)
-        comm.all_gather(flat, value.contiguous(), self.ranks)
-        return [view.clone() for view in self._param_views(flat)]
-
-    def shard_state(self, values: list[torch.Tensor]) -> torch.Tensor:
-        """This rank's slice of per-parameter state tensors laid out like the bucket."""
-        start, end = self.layout.shard_range(self.ranks.rank)
-        flat = self._flatten([v.to(self.shard.device, self.shard.dtype) for v in values])
-        return flat[start:end].clone()
-
-
-SCALAR_STATE = ("step", "mu_product")
-"""State keys of torch optimizers that hold one value per parameter, not per element."""
-
-
-def _is_per_element(value: Any, bucket: _Bucket) -> bool:
-    """Whether a local state value is laid out like the bucket's slice (vs a scalar)."""
-    return isinstance(value, torch.Tensor) and value.shape == bucket.shard.shape and value.dim() > 0
-
-
-def _is_per_parameter(key: str, values: list[Any], params: list[torch.Tensor]) -> bool:
-    """Whether saved state values are shaped like their parameters (vs scalars like "step").
-
-    For 0-d parameters the shapes cannot tell, so the known scalar keys decide.
-    """
-    if not all(
-        isinstance(v, torch.Tensor) and v.shape == p.shape
-        for v, p in zip(values, params, strict=True)
-    ):
-        return False
-    return any(p.dim() > 0 for p in params) or key not in SCALAR_STATE
+            torch._foreach_copy_([p.data for p in self.params], flatstate.split(flat, self.layout))
 
 
 class ZeroRedundancyOptimizer(torch.optim.Optimizer):
@@ -283,14 +241,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         index = 0
         for bucket in self._buckets:
             local = self.optim.state.get(bucket.shard, {})
-            per_param: list[dict[str, Any]] = [{} for _ in bucket.params]
-            for key, value in sorted(local.items()):
-                if _is_per_element(value, bucket):
-                    for entry, full in zip(per_param, bucket.full_state(value), strict=True):
-                        entry[key] = full
-                else:
-                    for entry in per_param:
-                        entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
+            per_param = flatstate.gather_shard_state(
+                local, bucket.shard, bucket.layout, self.ranks, replicated=False
+            )
             for entry in per_param:
                 if entry:
                     state[index] = entry
@@ -341,11 +294,5 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                     "The state dict has state for only some parameters of param group "
                     f"{bucket.layout.group_index}; expects all or none"
                 )
-            local: dict[str, Any] = {}
-            for key, first in entries[0].items():
-                values = [entry[key] for entry in entries]
-                if _is_per_parameter(key, values, bucket.params):
-                    local[key] = bucket.shard_state(values)
-                else:
-                    local[key] = first.clone() if isinstance(first, torch.Tensor) else first
+            local = flatstate.shard_state_from(entries, bucket.shard, bucket.layout, self.rank)
             self.optim.state[bucket.shard] = local

@@ -1,0 +1,103 @@
+"""Convert between per-parameter tensors and a rank's slice of a flat buffer.
+
+Used for parameters and for optimizer state alike, by the ZeRO optimizer and by
+the state-dict functions: per-element state (``exp_avg``, momentum buffers...) is
+laid out like its parameter, so it shards with the same layout; scalar state
+(``step``) is one value shared by every parameter of a slice.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from groupshard import comm
+from groupshard.layout import FlatBufferLayout
+
+SCALAR_STATE = ("step", "mu_product")
+"""State keys of torch optimizers holding one value per parameter, not one per element."""
+
+
+def flatten(tensors: list[torch.Tensor], buffer: FlatBufferLayout) -> torch.Tensor:
+    """The unsharded flat buffer: ``tensors`` end to end, zero-padded."""
+    padding = tensors[0].new_zeros(buffer.padding_numel)
+    return torch.cat([t.reshape(-1) for t in tensors] + [padding])
+
+
+def split(flat: torch.Tensor, buffer: FlatBufferLayout) -> list[torch.Tensor]:
+    """Views of an unsharded flat buffer, one per parameter, in their shapes."""
+    pieces = flat.split(buffer.split_sizes)[:-1]
+    return [piece.view(slot.shape) for piece, slot in zip(pieces, buffer.params, strict=True)]
+
+
+def shard_of(
+    tensors: list[torch.Tensor], buffer: FlatBufferLayout, shard_rank: int, like: torch.Tensor
+) -> torch.Tensor:
+    """``shard_rank``'s slice of the flat buffer of ``tensors``, on the device/dtype of ``like``."""
+    start, end = buffer.shard_range(shard_rank)
+    flat = flatten([t.to(like.device, like.dtype) for t in tensors], buffer)
+    return flat[start:end].clone()
+
+
+def unshard(
+    shard: torch.Tensor, buffer: FlatBufferLayout, ranks: comm.Ranks, replicated: bool
+) -> torch.Tensor:
+    """The whole padded flat buffer from every rank's slice (one all-gather)."""
+    if replicated:
+        return shard.detach().clone()
+    flat = shard.new_empty(buffer.padded_numel)
+    comm.all_gather(flat, shard.detach().contiguous(), ranks)
+    return flat
+
+
+def is_per_element(value: Any, shard: torch.Tensor) -> bool:
+    """Whether a shard's state value is laid out like the shard (vs a scalar such as step)."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == shard.shape
+
+
+def is_per_parameter(key: str, values: list[Any], shapes: list[torch.Size]) -> bool:
+    """Whether saved per-parameter state values are shaped like their parameters.
+
+    For 0-d parameters shapes cannot tell, so the known scalar keys decide.
+    """
+    if not all(
+        isinstance(v, torch.Tensor) and v.shape == s for v, s in zip(values, shapes, strict=True)
+    ):
+        return False
+    return any(len(s) > 0 for s in shapes) or key not in SCALAR_STATE
+
+
+def gather_shard_state(
+    state: dict[str, Any],
+    shard: torch.Tensor,
+    buffer: FlatBufferLayout,
+    ranks: comm.Ranks,
+    replicated: bool,
+) -> list[dict[str, Any]]:
+    """One shard's optimizer state as per-parameter dicts (original shapes); collective."""
+    per_param: list[dict[str, Any]] = [{} for _ in buffer.params]
+    for key, value in sorted(state.items()):
+        if is_per_element(value, shard):
+            full = unshard(value, buffer, ranks, replicated)
+            for entry, piece in zip(per_param, split(full, buffer), strict=True):
+                entry[key] = piece.clone()
+        else:
+            for entry in per_param:
+                entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
+    return per_param
+
+
+def shard_state_from(
+    entries: list[dict[str, Any]], shard: torch.Tensor, buffer: FlatBufferLayout, shard_rank: int
+) -> dict[str, Any]:
+    """A shard's optimizer state from per-parameter dicts (scalars: the first parameter's)."""
+    shapes = [torch.Size(slot.shape) for slot in buffer.params]
+    state: dict[str, Any] = {}
+    for key, first in entries[0].items():
+        values = [entry[key] for entry in entries]
+        if is_per_parameter(key, values, shapes):
+            state[key] = shard_of(values, buffer, shard_rank, shard)
+        else:
+            state[key] = first.clone() if isinstance(first, torch.Tensor) else first
+    return state
