@@ -90,7 +90,8 @@ class ShardedModule(nn.Module):
             for unit in runtime.units:
                 unit.stale = True
                 unit.unshard()
-            _swap_in_originals(state)
+            views = {fqn: v for s in state.storages for fqn, v in s.param_views().items()}
+            _swap_in_originals(state, views)
         runtime.summoned = True
         try:
             yield
@@ -112,21 +113,30 @@ def _shard_attr_name(buffer_group: int, dtype: torch.dtype) -> str:
     return f"groupshard_{group}_{str(dtype).removeprefix('torch.')}"
 
 
-def _swap_in_originals(state: ShardingState) -> None:
+def _swap_in_originals(state: ShardingState, data: Mapping[str, torch.Tensor]) -> None:
+    """Register the user's original parameters again, holding ``data``, instead of the shards."""
     for unit in state.runtime.units:
         for storage in unit.storages:
             for buffer in storage.layout.buffers:
                 del unit.module._parameters[
                     _shard_attr_name(buffer.group_index, storage.layout.dtype)
                 ]
-            with torch.no_grad():
-                views = storage.param_views()
-            for fqn, view in views.items():
-                original = state.original_params[fqn]
-                original.data = view
-                for module, attr in unit.places[fqn]:
-                    module.__dict__.pop(attr, None)
-                    module._parameters[attr] = original
+        for fqn, places in unit.places.items():
+            original = state.original_params[fqn]
+            original.data = data[fqn]
+            for module, attr in places:
+                module.__dict__.pop(attr, None)
+                module._parameters[attr] = original
+
+
+@contextmanager
+def originals_installed(model: ShardedModule, data: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    """Within the block the model has its original parameters, holding ``data`` (by FQN)."""
+    _swap_in_originals(model.groupshard, data)
+    try:
+        yield
+    finally:
+        _swap_out_originals(model.groupshard)
 
 
 def _write_back(state: ShardingState) -> None:
@@ -362,11 +372,3 @@ def shard_optimizer(
         groups.append({"params": state.shards_of_group(index), **options})
     optimizer_class = type(optimizer)
     return optimizer_class(groups, **_constructor_defaults(optimizer_class, optimizer.defaults))
-
-
-def full_state_dict(model: ShardedModule) -> dict[str, torch.Tensor]:
-    """The unsharded model's state dict (original names and shapes), on every rank."""
-    if not isinstance(model, ShardedModule):
-        raise TypeError("full_state_dict expects a model returned by gs.shard.")
-    with model.summon_full_params():
-        return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}

@@ -21,7 +21,7 @@ from functools import cached_property
 import torch
 from torch import nn
 
-from groupshard import comm
+from groupshard import comm, flatstate
 from groupshard.layout import FlatBufferLayout, Segment, StorageLayout
 
 SEGMENTS_ATTR = "groupshard_segments"
@@ -243,6 +243,19 @@ class FlatStorage:
                 shard.grad = piece
             else:
                 shard.grad.add_(piece)
+
+    def gather_params(self) -> dict[str, torch.Tensor]:
+        """Every parameter of the storage, unsharded, as new tensors (one all-gather per
+        flat buffer; the runtime's unsharded buffers are not touched)."""
+        params: dict[str, torch.Tensor] = {}
+        for shard, buffer in zip(self.shards, self.layout.buffers, strict=True):
+            full = flatstate.unshard(shard, buffer, self.ranks, self.replicated)
+            params.update(
+                zip(
+                    (slot.fqn for slot in buffer.params), flatstate.split(full, buffer), strict=True
+                )
+            )
+        return params
 
     def write_back(self) -> None:
         """Copy this rank's part of the unsharded buffers back into ``local``."""

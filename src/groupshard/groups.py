@@ -32,6 +32,7 @@ class ResolvedGroup:
     index: int
     fqns: tuple[str, ...]
     options: Mapping[str, Any]  # every key of the user's dict but "params"
+    listed: tuple[str, ...] = ()  # every parameter the user listed, frozen ones included
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,7 @@ def resolve_groups(
     owner: dict[str, int] = {}
     groups: list[ResolvedGroup] = []
     for index, group in enumerate(_group_dicts(param_groups, model)):
-        fqns = []
+        fqns, listed = [], []
         for position, tensor in enumerate(_group_tensors(index, group)):
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(
@@ -148,10 +149,11 @@ def resolve_groups(
                     "each parameter must be in exactly one group."
                 )
             owner[fqn] = index
+            listed.append(fqn)
             if tensor.requires_grad:
                 fqns.append(fqn)
         options = {key: value for key, value in group.items() if key != "params"}
-        groups.append(ResolvedGroup(index, tuple(fqns), options))
+        groups.append(ResolvedGroup(index, tuple(fqns), options, tuple(listed)))
     missing = [n for n, p in params_by_name.items() if p.requires_grad and n not in owner]
     if missing and default_group is None:
         shown = ", ".join(repr(n) for n in missing[:5]) + (" ..." if len(missing) > 5 else "")
@@ -160,7 +162,10 @@ def resolve_groups(
             "a group, freeze them (requires_grad_(False)), or pass default_group={...}."
         )
     if missing:
-        groups.append(ResolvedGroup(len(groups), tuple(missing), dict(default_group or {})))
+        extra = ResolvedGroup(
+            len(groups), tuple(missing), dict(default_group or {}), tuple(missing)
+        )
+        groups.append(extra)
     frozen = tuple(n for n, p in params_by_name.items() if not p.requires_grad)
     return ResolvedGroups(tuple(groups), frozen)
 

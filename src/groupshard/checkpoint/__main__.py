@@ -1,0 +1,29 @@
+"""``python -m groupshard.checkpoint convert CHECKPOINT OUTPUT.pt``: a sharded checkpoint
+to one plain ``torch.save`` file (model state dict, plain optimizer state, extras)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from groupshard.checkpoint import to_torch_save
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m groupshard.checkpoint", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    convert = commands.add_parser("convert", help="write one plain torch.save file")
+    convert.add_argument("checkpoint", help="the directory written by gs.checkpoint.save")
+    convert.add_argument("output", help="the .pt file to write")
+    args = parser.parse_args(argv)
+    try:
+        to_torch_save(args.checkpoint, args.output)
+    except (FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

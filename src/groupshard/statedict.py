@@ -1,0 +1,205 @@
+"""Full (unsharded) state dicts of a sharded model and its optimizer, in plain torch format.
+
+``full_state_dict`` loads into the unsharded model with ``load_state_dict``;
+``optim_state_dict`` loads into a plain torch optimizer built with the same param
+groups on the unsharded model. The ``load_*`` functions take those plain formats
+(e.g. saved by single-process training) into a sharded model and optimizer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from groupshard import flatstate
+from groupshard.api import ShardedModule, ShardingState, originals_installed
+from groupshard.flat import segments_of
+
+
+def _state_of(model: nn.Module, what: str) -> ShardingState:
+    if not isinstance(model, ShardedModule):
+        raise TypeError(f"{what} expects a model returned by gs.shard, got {type(model).__name__}")
+    return model.groupshard
+
+
+def full_state_dict(
+    model: ShardedModule, rank0_only: bool = False, cpu_offload: bool = False
+) -> dict[str, torch.Tensor]:
+    """The unsharded model's state dict: original names and shapes, buffers included.
+
+    Collective (one all-gather per flat buffer). Args:
+        rank0_only: only group rank 0 keeps the result; the others return ``{}``.
+        cpu_offload: move every tensor to the CPU as it is gathered.
+    """
+    state = _state_of(model, "full_state_dict")
+    keep = not rank0_only or state.ranks.rank == 0
+    gathered: dict[str, torch.Tensor] = {}
+    for storage in state.storages:
+        for fqn, tensor in storage.gather_params().items():
+            if keep:
+                gathered[fqn] = tensor.cpu() if cpu_offload else tensor
+    if not keep:
+        return {}
+    with originals_installed(model, gathered):
+        result = model.state_dict()
+    parameters = {n for n, (fqn, _) in _expected_entries(model).items() if fqn is not None}
+    for name, tensor in result.items():
+        if name in parameters:  # freshly gathered already
+            result[name] = tensor.detach()
+        else:  # a buffer of the live model
+            result[name] = (tensor.detach().cpu() if cpu_offload else tensor.detach()).clone()
+    return dict(result)
+
+
+def _expected_entries(model: ShardedModule) -> dict[str, tuple[str | None, torch.Size]]:
+    """Every key of the unsharded state dict -> (canonical FQN or None for buffers, shape)."""
+    state = model.groupshard
+    entries: dict[str, tuple[str | None, torch.Size]] = {}
+    slots = {
+        slot.fqn: torch.Size(slot.shape)
+        for storage in state.storages
+        for buffer in storage.layout.buffers
+        for slot in buffer.params
+    }
+    for fqn, places in state.plan.registrations.items():
+        for module_name, attr in places:
+            entries[f"{module_name}.{attr}" if module_name else attr] = (fqn, slots[fqn])
+    shard_names = {id(shard) for storage in state.storages for shard in storage.shards}
+    for name, tensor in model.state_dict().items():
+        if id(tensor) not in shard_names and not name.rpartition(".")[2].startswith("groupshard_"):
+            entries[name] = (None, tensor.shape)
+    return entries
+
+
+def _describe(kind: str, names: list[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:8]) + (" ..." if len(names) > 8 else "")
+    return f"{len(names)} {kind}: {shown}"
+
+
+def check_model_state_dict(model: ShardedModule, state_dict: dict[str, Any]) -> None:
+    """Raise a ValueError listing missing, unexpected and mis-shaped entries, if any."""
+    expected = _expected_entries(model)
+    missing = [n for n in expected if n not in state_dict]
+    unexpected = [n for n in state_dict if n not in expected]
+    mismatched = [
+        f"{n} (expects {tuple(expected[n][1])}, got {tuple(state_dict[n].shape)})"
+        for n in expected
+        if n in state_dict and torch.Size(state_dict[n].shape) != expected[n][1]
+    ]
+    problems = [
+        _describe(kind, names)
+        for kind, names in (
+            ("missing entries", missing),
+            ("unexpected entries", unexpected),
+            ("entries with another shape", mismatched),
+        )
+        if names
+    ]
+    if problems:
+        raise ValueError("The state dict does not match the model: " + "; ".join(problems))
+
+
+@torch.no_grad()
+def load_full_state_dict(model: ShardedModule, state_dict: dict[str, torch.Tensor]) -> None:
+    """Load an unsharded state dict (as ``full_state_dict`` returns) into the shards.
+
+    Every rank needs the whole dict; each keeps its own slices. No collectives.
+    """
+    state = _state_of(model, "load_full_state_dict")
+    check_model_state_dict(model, state_dict)
+    by_fqn = {fqn: state_dict[name] for name, (fqn, _) in _expected_entries(model).items() if fqn}
+    for storage in state.storages:
+        for shard, buffer in zip(storage.shards, storage.layout.buffers, strict=True):
+            values = [by_fqn[slot.fqn] for slot in buffer.params]
+            shard.copy_(flatstate.shard_of(values, buffer, storage.shard_rank, shard))
+    buffers = dict(model.named_buffers())
+    for name, (fqn, _) in _expected_entries(model).items():
+        if fqn is None and name in buffers:
+            buffers[name].copy_(state_dict[name])
+
+
+def check_optimizer(model: ShardedModule, optimizer: torch.optim.Optimizer) -> ShardingState:
+    state = _state_of(model, "optimizer state dicts")
+    groups = state.groups.groups
+    if len(optimizer.param_groups) != len(groups):
+        raise ValueError(
+            f"The optimizer has {len(optimizer.param_groups)} param groups but the model was "
+            f"sharded with {len(groups)}; build it from model.optimizer_groups()"
+        )
+    for group, resolved in zip(optimizer.param_groups, groups, strict=True):
+        expected = state.shards_of_group(resolved.index)
+        if [id(p) for p in group["params"]] != [id(p) for p in expected]:
+            raise ValueError(
+                f"Param group {resolved.index} of the optimizer does not hold the model's shards "
+                "of that group; build the optimizer from model.optimizer_groups()"
+            )
+    return state
+
+
+def optim_state_dict(model: ShardedModule, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state in plain torch.optim format on the unsharded model.
+
+    State is keyed by the index of each original parameter in the user's groups (as
+    a torch optimizer built with those groups numbers them), with original shapes;
+    param groups carry their current hyperparameters. Collective; on every rank.
+    """
+    state = check_optimizer(model, optimizer)
+    per_fqn: dict[str, dict[str, Any]] = {}
+    for group in optimizer.param_groups:
+        for shard in group["params"]:
+            segments = segments_of(shard)
+            assert segments is not None
+            entries = flatstate.gather_shard_state(
+                optimizer.state.get(shard, {}), shard, segments.buffer, segments.ranks,
+                segments.replicated,
+            )  # fmt: skip
+            per_fqn.update(zip(segments.fqns, entries, strict=True))
+    result: dict[str, Any] = {"state": {}, "param_groups": []}
+    index = 0
+    for group, resolved in zip(optimizer.param_groups, state.groups.groups, strict=True):
+        indices = list(range(index, index + len(resolved.listed)))
+        for position, fqn in zip(indices, resolved.listed, strict=True):
+            if per_fqn.get(fqn):
+                result["state"][position] = per_fqn[fqn]
+        hyperparameters = {k: v for k, v in group.items() if k != "params"}
+        result["param_groups"].append({**hyperparameters, "params": indices})
+        index += len(indices)
+    return result
+
+
+def load_optim_state_dict(
+    model: ShardedModule, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
+) -> None:
+    """Load a plain torch.optim state dict (per original parameter) into the sharded optimizer."""
+    state = check_optimizer(model, optimizer)
+    saved = state_dict["param_groups"]
+    ours = [len(g.listed) for g in state.groups.groups]
+    theirs = [len(g["params"]) for g in saved]
+    if ours != theirs:
+        raise ValueError(
+            f"The optimizer state dict has {len(theirs)} param groups of sizes {theirs} but the "
+            f"model's groups have sizes {ours}"
+        )
+    for group, saved_group, resolved in zip(
+        optimizer.param_groups, saved, state.groups.groups, strict=True
+    ):
+        group.update({k: v for k, v in saved_group.items() if k != "params"})
+        index_of = dict(zip(resolved.listed, saved_group["params"], strict=True))
+        for shard in group["params"]:
+            segments = segments_of(shard)
+            assert segments is not None
+            entries = [state_dict["state"].get(index_of[fqn]) for fqn in segments.fqns]
+            optimizer.state.pop(shard, None)
+            if all(entry is None for entry in entries):
+                continue
+            if any(entry is None for entry in entries):
+                absent = [f for f, e in zip(segments.fqns, entries, strict=True) if e is None]
+                raise ValueError(
+                    f"The optimizer state dict has no state for {absent} but has state for "
+                    f"other parameters of param group {resolved.index}; expects all or none"
+                )
+            optimizer.state[shard] = flatstate.shard_state_from(
+                entries, shard, segments.buffer, segments.shard_rank
+            )
