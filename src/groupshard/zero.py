@@ -22,6 +22,7 @@ from torch import nn
 from groupshard import comm, flatstate
 from groupshard.flat import SEGMENTS_ATTR, ShardSegments
 from groupshard.layout import build_flat_buffer
+from groupshard.optim.common import evaluate_closure
 
 
 def _param_name(group_index: int, position: int) -> str:
@@ -218,10 +219,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:
         """Step the local optimizer on this rank's slices, then all-gather the parameters."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         for bucket in self._buckets:
             bucket.load_shard_gradient()
         self._sync(self.param_groups, self.optim.param_groups)

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from groupshard.norms import SegmentReduction, expand
+from groupshard.optim.common import evaluate_closure, params_with_grad
 
 
 class LAMB(torch.optim.Optimizer):
@@ -78,23 +79,17 @@ class LAMB(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         reduction = SegmentReduction(2.0)
         pending = []
-        for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                if param.grad.is_sparse:
-                    raise ValueError("LAMB does not support sparse gradients")
-                update = self._update(param, group)
-                handles = None
-                if group["trust_ratio"]:
-                    handles = reduction.add(param), reduction.add(update, param)
-                pending.append((param, update, group, handles))
+        for group, param in params_with_grad(self.param_groups):
+            if param.grad.is_sparse:
+                raise ValueError("LAMB does not support sparse gradients")
+            update = self._update(param, group)
+            handles = None
+            if group["trust_ratio"]:
+                handles = reduction.add(param), reduction.add(update, param)
+            pending.append((param, update, group, handles))
         totals = reduction.reduce()
         for param, update, group, handles in pending:
             if handles is not None:

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from groupshard.norms import SegmentReduction, expand
+from groupshard.optim.common import evaluate_closure, params_with_grad
 
 
 def lars_local_lr(
@@ -64,20 +65,14 @@ class LARS(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         reduction = SegmentReduction(2.0)
         pending = []
-        for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                handles = None
-                if group["trust_ratio"]:
-                    handles = reduction.add(param), reduction.add(param.grad, param)
-                pending.append((param, group, handles))
+        for group, param in params_with_grad(self.param_groups):
+            handles = None
+            if group["trust_ratio"]:
+                handles = reduction.add(param), reduction.add(param.grad, param)
+            pending.append((param, group, handles))
         totals = reduction.reduce()
         for param, group, handles in pending:
             direction = param.grad.add(param, alpha=group["weight_decay"])

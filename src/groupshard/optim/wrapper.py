@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from groupshard.optim.common import evaluate_closure
+
 
 class OptimizerWrapper(torch.optim.Optimizer):
     """Shares the inner optimizer's param groups and state (so LR schedulers, ``zero_grad``
@@ -31,10 +33,7 @@ class OptimizerWrapper(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         self.adjust_gradients()
         self.inner_step()
         return loss
