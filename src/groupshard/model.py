@@ -1,4 +1,4 @@
-"""A small GPT-style language model: the demo's model and the tests' workhorse.
+"""A small GPT-style language model: the command line's model and the tests' workhorse.
 
 Tied input/output embedding, LayerNorm, biases: the parameters that make
 per-group hyperparameters matter. The attention projection has no bias, because a

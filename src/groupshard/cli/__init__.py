@@ -1,0 +1,1 @@
+"""The command line: ``groupshard train`` (and ``python -m groupshard``)."""
