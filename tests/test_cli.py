@@ -35,7 +35,9 @@ def _losses(out):
 
 def test_train_end_to_end(tmp_path):
     out = str(tmp_path / "run")
-    result = groupshard("train", *TINY, "--steps", "40", "--eval-every", "10", "--out", out)
+    result = groupshard(
+        "train", *TINY, "--steps", "40", "--eval-every", "10", "--ckpt-every", "15", "--out", out
+    )
     for name in (
         "log.jsonl",
         "log.csv",
