@@ -111,12 +111,15 @@ def train_pair(
     make_groups: Callable[[nn.Module], Any] = lambda m: three_groups(m, head_lr=1e-3),
     scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
     units: Any = UNITS,
+    bucket_bytes: int = 25 * 2**20,
 ) -> tuple[gs.ShardedModule, nn.Module, list[float], list[float]]:
     """Train a sharded model and the unsharded reference side by side."""
     torch.manual_seed(0)
     model = EdgeGPT()
     reference = copy.deepcopy(model)
-    sharded = gs.shard(model, make_groups(model), unit=units, strategy=strategy)
+    sharded = gs.shard(
+        model, make_groups(model), unit=units, strategy=strategy, reduce_bucket_bytes=bucket_bytes
+    )
     sharded_opt = OPTIMIZERS[optimizer](sharded.optimizer_groups())
     reference_opt = OPTIMIZERS[optimizer](make_groups(reference))
     schedulers = [scheduler(o) for o in (sharded_opt, reference_opt)] if scheduler else []
@@ -155,10 +158,12 @@ def equivalence_case(
     optimizer: str,
     steps: int = 10,
     units: str = "blocks",
+    bucket_bytes: int = 25 * 2**20,
 ) -> float:
     sharded, reference, _, _ = train_pair(
-        rank, world_size, strategy, optimizer, steps, units=UNIT_CHOICES[units]
-    )
+        rank, world_size, strategy, optimizer, steps, units=UNIT_CHOICES[units],
+        bucket_bytes=bucket_bytes,
+    )  # fmt: skip
     return max_difference(gs.full_state_dict(sharded), reference.state_dict())
 
 

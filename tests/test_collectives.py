@@ -14,13 +14,17 @@ from groupshard import comm
 from helpers import UNITS, EdgeGPT, global_batches
 
 
-def count_case(rank: int, world_size: int, strategy: str, group_count: int) -> dict[str, int]:
+def count_case(
+    rank: int, world_size: int, strategy: str, group_count: int, bucket_bytes: int = 0
+) -> dict[str, int]:
     torch.manual_seed(0)
     model = EdgeGPT()
     order = {name: index for index, (name, _) in enumerate(model.named_parameters())}
     groups = gs.groups_by(model, lambda name, p: order[name] % group_count)
     assert len(groups) == group_count
-    sharded = gs.shard(model, groups, unit=UNITS, strategy=strategy)
+    sharded = gs.shard(
+        model, groups, unit=UNITS, strategy=strategy, reduce_bucket_bytes=bucket_bytes
+    )
     optimizer = torch.optim.AdamW(sharded.optimizer_groups(), lr=1e-3)
     inputs, targets = global_batches(1, world_size)[0]
     counts: Counter[str] = Counter()
@@ -52,7 +56,7 @@ def test_collective_count_is_independent_of_group_count(run_ranks, strategy):
     units = one["units with parameters"]
     expected = {
         "full": {"all_gather": 2 * units, "reduce_scatter_mean": units},
-        "grad_op": {"all_gather": units, "reduce_scatter_mean": units},
+        "grad_op": {"all_gather": 1, "reduce_scatter_mean": units},  # all units gathered at once
         "no_shard": {"all_reduce_mean": units},
     }[strategy]
     for counts in (one, five):
@@ -60,3 +64,11 @@ def test_collective_count_is_independent_of_group_count(run_ranks, strategy):
             k: v for k, v in counts.items() if k in expected or k in ("broadcast", "gather_objects")
         }
         assert step == expected, (strategy, counts)
+
+
+@pytest.mark.parametrize("strategy", ["full", "grad_op", "no_shard"])
+def test_gradient_buckets_merge_units(run_ranks, strategy):
+    """With a bucket larger than the model, all units' gradients go in one collective."""
+    counts = run_ranks(2, count_case, strategy, 5, 2**30)[0]
+    reductions = counts.get("reduce_scatter_mean", 0) + counts.get("all_reduce_mean", 0)
+    assert reductions == 1, counts

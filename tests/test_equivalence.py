@@ -31,6 +31,14 @@ def test_any_torch_optimizer(run_ranks, optimizer):
     assert max(differences) <= TOLERANCE, differences
 
 
+@pytest.mark.parametrize("bucket_bytes", [0, 4096])
+@pytest.mark.parametrize("strategy", ["full", "grad_op", "no_shard"])
+def test_gradient_bucket_sizes(run_ranks, strategy, bucket_bytes):
+    """Per-unit reduction (0) and buckets of a few units give the same training."""
+    differences = run_ranks(3, equivalence_case, strategy, "adamw", 6, "blocks", bucket_bytes)
+    assert max(differences) <= TOLERANCE, differences
+
+
 @pytest.mark.parametrize("units", ["nested", "root only"])
 @pytest.mark.parametrize("strategy", ["full", "grad_op"])
 def test_unit_choices(run_ranks, units, strategy):

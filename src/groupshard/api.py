@@ -252,6 +252,7 @@ def shard(
     process_group: Any = None,
     default_group: Mapping[str, Any] | None = None,
     sync_module_states: bool = True,
+    reduce_bucket_bytes: int = 25 * 2**20,
 ) -> ShardedModule:
     """Shard ``model`` in place with one flat buffer per (unit, param group, dtype).
 
@@ -266,6 +267,8 @@ def shard(
         default_group: hyperparameters for trainable parameters no group names;
             ``None`` makes leaving one out an error.
         sync_module_states: broadcast rank 0's parameters first, as DDP does.
+        reduce_bucket_bytes: unit gradients wait until this many bytes are ready, then
+            go in one reduce-scatter (as DDP's buckets); 0 reduces each unit at once.
 
     Returns:
         The same module object, now also a ``ShardedModule``.
@@ -275,6 +278,8 @@ def shard(
     try:
         if strategy not in STRATEGIES:
             raise ValueError(f"Expects strategy in {STRATEGIES} but got {strategy=}")
+        if reduce_bucket_bytes < 0:
+            raise ValueError(f"Expects reduce_bucket_bytes >= 0 but got {reduce_bucket_bytes=}")
         if isinstance(model, ShardedModule):
             raise ValueError("This model is already sharded by groupshard.")
         groups = resolve_groups(model, param_groups, default_group)
@@ -286,7 +291,10 @@ def shard(
         error = caught
     comm.raise_if_any_failed(error, ranks)
     _check_same_structure(_signature(groups, layouts, strategy), ranks)
-    state = _build_state(model, groups, plan, layouts, params, ranks, strategy, sync_module_states)
+    runtime_options = {"strategy": strategy, "reduce_bucket_bytes": reduce_bucket_bytes}
+    state = _build_state(
+        model, groups, plan, layouts, params, ranks, runtime_options, sync_module_states
+    )
     model.groupshard = state  # type: ignore[assignment]
     cls = model.__class__
     model.__class__ = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {})
@@ -300,7 +308,7 @@ def _build_state(
     layouts: dict[str, list[StorageLayout]],
     params: dict[str, nn.Parameter],
     ranks: comm.Ranks,
-    strategy: str,
+    runtime_options: dict[str, Any],
     sync_module_states: bool,
 ) -> ShardingState:
     modules = dict(model.named_modules())
@@ -323,7 +331,7 @@ def _build_state(
             _register_shards(unit.module, storage)
     for param in params.values():
         param.data = param.data.new_empty(0)
-    runtime = ShardedRuntime(units, strategy)
+    runtime = ShardedRuntime(units, **runtime_options)
     runtime.register_hooks()
     return ShardingState(groups, plan, runtime, params, ranks)
 

@@ -174,21 +174,28 @@ class FlatStorage:
         """All-gather every buffer of the storage with one collective."""
         if self.replicated:
             return
-        _allocate(self.trainable_data)
-        _allocate(self.unsharded_frozen)
-        size, local_numel = self.ranks.size, self.layout.local_numel
+        self.allocate_unsharded()
         targets = self.unsharded_buffers()
         if len(targets) == 1:  # rank-major is group-major: gather in place
             comm.all_gather(targets[0], self.local, self.ranks)
         else:
-            gathered = self.local.new_empty(size * local_numel)
+            gathered = self.local.new_empty(self.ranks.size * self.layout.local_numel)
             comm.all_gather(gathered, self.local, self.ranks)
-            torch.split_with_sizes_copy(
-                gathered.view(size, local_numel),
-                [b.shard_numel for b in self.layout.buffers],
-                dim=1,
-                out=[t.view(size, -1) for t in targets],
-            )
+            self.copy_out(gathered.view(self.ranks.size, -1))
+        self.is_unsharded = True
+
+    def allocate_unsharded(self) -> None:
+        _allocate(self.trainable_data)
+        _allocate(self.unsharded_frozen)
+
+    def copy_out(self, gathered: torch.Tensor) -> None:
+        """Rank-major gathered shards ``(ranks, local_numel)`` into the group-major buffers."""
+        torch.split_with_sizes_copy(
+            gathered,
+            [b.shard_numel for b in self.layout.buffers],
+            dim=1,
+            out=[t.view(self.ranks.size, -1) for t in self.unsharded_buffers()],
+        )
         self.is_unsharded = True
 
     def reshard(self) -> None:
@@ -216,27 +223,14 @@ class FlatStorage:
                 next(chunks)  # padding
         return views
 
-    def reduce_gradients(self) -> None:
-        """Average the unsharded gradient over ranks into the shard gradients.
-
-        One reduce-scatter (all-reduce when replicated) for all groups of the storage.
-        """
-        unsharded_grad = self.unsharded_trainable.grad  # 1D, group-major
+    def take_unsharded_grad(self) -> torch.Tensor | None:
+        """The gradient autograd accumulated into the unsharded buffer (1D, group-major)."""
+        grad = self.unsharded_trainable.grad
         self.unsharded_trainable.grad = None
-        if unsharded_grad is None:
-            return
-        if self.replicated:
-            comm.all_reduce_mean(unsharded_grad, self.ranks)
-            sharded_grad = unsharded_grad
-        else:
-            buffers = self.layout.trainable_buffers
-            if len(buffers) == 1:
-                scatter_input = unsharded_grad
-            else:
-                pieces = unsharded_grad.split([b.padded_numel for b in buffers])
-                scatter_input = torch._chunk_cat(pieces, dim=0, num_chunks=self.ranks.size)
-            sharded_grad = unsharded_grad.new_empty(self.layout.trainable_shard_numel)
-            comm.reduce_scatter_mean(sharded_grad, scatter_input, self.ranks)
+        return grad
+
+    def assign_shard_grads(self, sharded_grad: torch.Tensor) -> None:
+        """Give each trainable shard its slice of ``sharded_grad`` (added if it has one)."""
         for index, shard in enumerate(self.trainable_shards):
             piece = sharded_grad[slice(*self.layout.local_range(index))]
             if shard.grad is None:
@@ -266,3 +260,48 @@ class FlatStorage:
         ):
             start, end = buffer.shard_range(self.shard_rank)
             self.local[slice(*self.layout.local_range(index))].copy_(data[start:end])
+
+
+def reduce_gradients(storages: list[FlatStorage], grads: list[torch.Tensor]) -> None:
+    """Average unsharded gradients over ranks into the storages' shard gradients.
+
+    One reduce-scatter (an all-reduce when replicated) for all groups of all the given
+    storages, which must share dtype, ranks and replication: the rank-major scatter
+    input ``(ranks, sum of trainable shard sizes)`` is one ``_chunk_cat`` of every
+    flat buffer's gradient.
+    """
+    ranks = storages[0].ranks
+    if storages[0].replicated:
+        flat = grads[0] if len(grads) == 1 else torch.cat(grads)
+        comm.all_reduce_mean(flat, ranks)
+        pieces = flat.split([grad.numel() for grad in grads])
+    else:
+        per_buffer = [
+            piece
+            for storage, grad in zip(storages, grads, strict=True)
+            for piece in grad.split([b.padded_numel for b in storage.layout.trainable_buffers])
+        ]
+        if len(per_buffer) == 1:  # rank-major already
+            scatter_input = per_buffer[0]
+        else:
+            scatter_input = torch._chunk_cat(per_buffer, dim=0, num_chunks=ranks.size)
+        sizes = [storage.layout.trainable_shard_numel for storage in storages]
+        flat = grads[0].new_empty(sum(sizes))
+        comm.reduce_scatter_mean(flat, scatter_input, ranks)
+        pieces = flat.split(sizes)
+    for storage, piece in zip(storages, pieces, strict=True):
+        storage.assign_shard_grads(piece)
+
+
+def unshard_storages(storages: list[FlatStorage]) -> None:
+    """All-gather several sharded storages (one dtype, one process group) in one collective."""
+    ranks = storages[0].ranks
+    sizes = [storage.layout.local_numel for storage in storages]
+    local = torch.cat([storage.local for storage in storages])
+    gathered = local.new_empty(ranks.size * local.numel())
+    comm.all_gather(gathered, local, ranks)
+    for storage, columns in zip(
+        storages, gathered.view(ranks.size, -1).split(sizes, dim=1), strict=True
+    ):
+        storage.allocate_unsharded()
+        storage.copy_out(columns)

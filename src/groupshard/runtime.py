@@ -17,7 +17,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 
-from groupshard.flat import FlatStorage
+from groupshard.flat import FlatStorage, reduce_gradients, unshard_storages
 
 STRATEGIES = ("full", "grad_op", "no_shard")
 
@@ -59,14 +59,19 @@ class UnitRuntime:
 class ShardedRuntime:
     """The hook logic of a sharded model, shared by all its units."""
 
-    def __init__(self, units: Sequence[UnitRuntime], strategy: str) -> None:
+    def __init__(
+        self, units: Sequence[UnitRuntime], strategy: str, reduce_bucket_bytes: int = 0
+    ) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"Expects strategy in {STRATEGIES} but got {strategy=}")
         self.units = list(units)  # pre-order; units[0] is the root
         self.strategy = strategy
+        self.reduce_bucket_bytes = reduce_bucket_bytes
         self.summoned = False
         self._final_callback_queued = False
         self._handles: list[Any] = []
+        # gradients waiting for one collective, per dtype: [(storage, unsharded grad)]
+        self._pending: dict[torch.dtype, list[tuple[FlatStorage, torch.Tensor]]] = {}
 
     @property
     def storages(self) -> list[FlatStorage]:
@@ -92,10 +97,24 @@ class ShardedRuntime:
             if unit is self.units[0]:
                 for other in self.units:
                     other.stale = any(s.is_unsharded for s in other.storages)
+                if self.strategy == "grad_op" and torch.is_grad_enabled():
+                    self._unshard_everything()
             unit.unshard()
             unit.install_views()
 
         return hook
+
+    def _unshard_everything(self) -> None:
+        """grad_op keeps every unit gathered from its forward to the end of backward, so
+        gathering them all at once costs no extra memory and one collective per dtype."""
+        by_dtype: dict[torch.dtype, list[FlatStorage]] = {}
+        for unit in self.units:
+            for storage in unit.storages:
+                if not storage.replicated:
+                    by_dtype.setdefault(storage.layout.dtype, []).append(storage)
+            unit.stale = False
+        for storages in by_dtype.values():
+            unshard_storages(storages)
 
     def _post_forward_hook(self, unit: UnitRuntime) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -124,14 +143,32 @@ class ShardedRuntime:
 
     def _gradient_ready_hook(self, storage: FlatStorage) -> Callable[[torch.Tensor], None]:
         def hook(unsharded: torch.Tensor) -> None:
-            storage.reduce_gradients()
+            grad = storage.take_unsharded_grad()
+            if grad is None:
+                return
+            pending = self._pending.setdefault(storage.layout.dtype, [])
+            pending.append((storage, grad))
+            waiting = sum(g.numel() * g.element_size() for _, g in pending)
+            if waiting >= self.reduce_bucket_bytes:
+                self._flush(storage.layout.dtype)
+
+        return hook
+
+    def _flush(self, dtype: torch.dtype) -> None:
+        """One collective for every gradient waiting in the bucket of ``dtype``."""
+        pending = self._pending.pop(dtype, [])
+        if not pending:
+            return
+        storages = [storage for storage, _ in pending]
+        reduce_gradients(storages, [grad for _, grad in pending])
+        for storage in storages:
             # A frozen op later in backward may still read this storage; wait for the end.
             if self.strategy == "full" and not storage.layout.frozen_buffers:
                 storage.reshard()
 
-        return hook
-
     def _end_of_backward(self) -> None:
+        for dtype in list(self._pending):
+            self._flush(dtype)
         for unit in self.units:
             unit.reshard()
         self._final_callback_queued = False
