@@ -118,8 +118,9 @@ def train_pair(
     model = EdgeGPT()
     reference = copy.deepcopy(model)
     sharded = gs.shard(
-        model, make_groups(model), unit=units, strategy=strategy, reduce_bucket_bytes=bucket_bytes
-    )
+        model, make_groups(model), unit=units, strategy=strategy,
+        reduce_bucket_bytes=bucket_bytes, prefetch_bytes=bucket_bytes,
+    )  # fmt: skip
     sharded_opt = OPTIMIZERS[optimizer](sharded.optimizer_groups())
     reference_opt = OPTIMIZERS[optimizer](make_groups(reference))
     schedulers = [scheduler(o) for o in (sharded_opt, reference_opt)] if scheduler else []

@@ -23,8 +23,9 @@ def count_case(
     groups = gs.groups_by(model, lambda name, p: order[name] % group_count)
     assert len(groups) == group_count
     sharded = gs.shard(
-        model, groups, unit=UNITS, strategy=strategy, reduce_bucket_bytes=bucket_bytes
-    )
+        model, groups, unit=UNITS, strategy=strategy, reduce_bucket_bytes=bucket_bytes,
+        prefetch_bytes=bucket_bytes,
+    )  # fmt: skip
     optimizer = torch.optim.AdamW(sharded.optimizer_groups(), lr=1e-3)
     inputs, targets = global_batches(1, world_size)[0]
     counts: Counter[str] = Counter()
@@ -39,6 +40,9 @@ def count_case(
         return wrapper
 
     names = ("all_gather", "reduce_scatter_mean", "all_reduce_mean", "broadcast", "gather_objects")
+    sharded(inputs, targets).backward()  # a first step records the order units run in
+    optimizer.step()
+    optimizer.zero_grad()
     with mock.patch.multiple(comm, **{name: counted(name) for name in names}):
         sharded(inputs, targets).backward()
         optimizer.step()
@@ -67,8 +71,10 @@ def test_collective_count_is_independent_of_group_count(run_ranks, strategy):
 
 
 @pytest.mark.parametrize("strategy", ["full", "grad_op", "no_shard"])
-def test_gradient_buckets_merge_units(run_ranks, strategy):
-    """With a bucket larger than the model, all units' gradients go in one collective."""
+def test_buckets_merge_units(run_ranks, strategy):
+    """With buckets larger than the model, all units' gradients go in one collective, and
+    "full" gathers everything in one all-gather per pass (forward, backward)."""
     counts = run_ranks(2, count_case, strategy, 5, 2**30)[0]
     reductions = counts.get("reduce_scatter_mean", 0) + counts.get("all_reduce_mean", 0)
     assert reductions == 1, counts
+    assert counts.get("all_gather", 0) == {"full": 2, "grad_op": 1, "no_shard": 0}[strategy]

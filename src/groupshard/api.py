@@ -253,6 +253,7 @@ def shard(
     default_group: Mapping[str, Any] | None = None,
     sync_module_states: bool = True,
     reduce_bucket_bytes: int = 25 * 2**20,
+    prefetch_bytes: int = 25 * 2**20,
 ) -> ShardedModule:
     """Shard ``model`` in place with one flat buffer per (unit, param group, dtype).
 
@@ -269,6 +270,9 @@ def shard(
         sync_module_states: broadcast rank 0's parameters first, as DDP does.
         reduce_bucket_bytes: unit gradients wait until this many bytes are ready, then
             go in one reduce-scatter (as DDP's buckets); 0 reduces each unit at once.
+        prefetch_bytes: "full" gathers a unit together with the units that run next
+            (in forward, and in reverse in backward) while they fit in this many bytes,
+            in one all-gather; 0 gathers each unit on its own.
 
     Returns:
         The same module object, now also a ``ShardedModule``.
@@ -278,8 +282,11 @@ def shard(
     try:
         if strategy not in STRATEGIES:
             raise ValueError(f"Expects strategy in {STRATEGIES} but got {strategy=}")
-        if reduce_bucket_bytes < 0:
-            raise ValueError(f"Expects reduce_bucket_bytes >= 0 but got {reduce_bucket_bytes=}")
+        if reduce_bucket_bytes < 0 or prefetch_bytes < 0:
+            raise ValueError(
+                f"Expects reduce_bucket_bytes, prefetch_bytes >= 0 but got "
+                f"{reduce_bucket_bytes=}, {prefetch_bytes=}"
+            )
         if isinstance(model, ShardedModule):
             raise ValueError("This model is already sharded by groupshard.")
         groups = resolve_groups(model, param_groups, default_group)
@@ -291,7 +298,11 @@ def shard(
         error = caught
     comm.raise_if_any_failed(error, ranks)
     _check_same_structure(_signature(groups, layouts, strategy), ranks)
-    runtime_options = {"strategy": strategy, "reduce_bucket_bytes": reduce_bucket_bytes}
+    runtime_options = {
+        "strategy": strategy,
+        "reduce_bucket_bytes": reduce_bucket_bytes,
+        "prefetch_bytes": prefetch_bytes,
+    }
     state = _build_state(
         model, groups, plan, layouts, params, ranks, runtime_options, sync_module_states
     )

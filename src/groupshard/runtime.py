@@ -38,6 +38,19 @@ class UnitRuntime:
         self.places = places  # FQN -> [(module, attribute)], every registration
         self.stale = False  # gathered data may predate an optimizer step
 
+    @property
+    def needs_gather(self) -> bool:
+        return any(not s.replicated and (self.stale or not s.is_unsharded) for s in self.storages)
+
+    @property
+    def unsharded_bytes(self) -> int:
+        return sum(
+            (s.layout.trainable_unsharded_numel + s.layout.frozen_unsharded_numel)
+            * s.local.element_size()
+            for s in self.storages
+            if not s.replicated
+        )
+
     def unshard(self) -> None:
         for storage in self.storages:
             if not storage.is_unsharded or self.stale:
@@ -60,13 +73,22 @@ class ShardedRuntime:
     """The hook logic of a sharded model, shared by all its units."""
 
     def __init__(
-        self, units: Sequence[UnitRuntime], strategy: str, reduce_bucket_bytes: int = 0
+        self,
+        units: Sequence[UnitRuntime],
+        strategy: str,
+        reduce_bucket_bytes: int = 0,
+        prefetch_bytes: int = 0,
     ) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"Expects strategy in {STRATEGIES} but got {strategy=}")
         self.units = list(units)  # pre-order; units[0] is the root
         self.strategy = strategy
         self.reduce_bucket_bytes = reduce_bucket_bytes
+        self.prefetch_bytes = prefetch_bytes
+        self._forward_order: list[UnitRuntime] = []  # as the last forward ran them
+        self._backward_order: list[UnitRuntime] = []  # as the last backward reached them
+        self._recording: list[UnitRuntime] = []
+        self._backward_recording: list[UnitRuntime] = []
         self.summoned = False
         self._final_callback_queued = False
         self._handles: list[Any] = []
@@ -95,26 +117,57 @@ class ShardedRuntime:
             if self.summoned:
                 return
             if unit is self.units[0]:
-                for other in self.units:
-                    other.stale = any(s.is_unsharded for s in other.storages)
-                if self.strategy == "grad_op" and torch.is_grad_enabled():
-                    self._unshard_everything()
+                self._start_forward()
+            if unit not in self._recording:
+                self._recording.append(unit)
+            if unit.needs_gather:
+                self._unshard_together(self._with_followers(unit, self._forward_order))
             unit.unshard()
             unit.install_views()
 
         return hook
 
-    def _unshard_everything(self) -> None:
-        """grad_op keeps every unit gathered from its forward to the end of backward, so
-        gathering them all at once costs no extra memory and one collective per dtype."""
-        by_dtype: dict[torch.dtype, list[FlatStorage]] = {}
+    def _start_forward(self) -> None:
+        if self._recording:
+            self._forward_order = self._recording
+        self._recording = []
         for unit in self.units:
+            unit.stale = any(s.is_unsharded for s in unit.storages)
+        if self.strategy == "grad_op" and torch.is_grad_enabled():
+            # Every unit stays gathered from its forward to the end of backward, so
+            # gathering all at once costs no extra memory and one collective per dtype.
+            self._unshard_together(self.units)
+
+    def _with_followers(self, unit: UnitRuntime, order: Sequence[UnitRuntime]) -> list[UnitRuntime]:
+        """``unit`` and the units after it in ``order`` that fit in ``prefetch_bytes``.
+
+        Gathering them together saves a collective's latency per unit (one for all).
+        """
+        chosen = [unit]
+        if self.strategy != "full" or unit not in order:
+            return chosen
+        budget = self.prefetch_bytes - unit.unsharded_bytes
+        for follower in order[order.index(unit) + 1 :]:
+            if follower.unsharded_bytes > budget:
+                break
+            if follower.needs_gather:
+                chosen.append(follower)
+                budget -= follower.unsharded_bytes
+        return chosen
+
+    def _unshard_together(self, units: Sequence[UnitRuntime]) -> None:
+        """Gather the storages of ``units`` that need it: one collective per dtype."""
+        by_dtype: dict[torch.dtype, list[FlatStorage]] = {}
+        for unit in units:
             for storage in unit.storages:
-                if not storage.replicated:
+                if not storage.replicated and (unit.stale or not storage.is_unsharded):
                     by_dtype.setdefault(storage.layout.dtype, []).append(storage)
             unit.stale = False
         for storages in by_dtype.values():
-            unshard_storages(storages)
+            if len(storages) == 1:
+                storages[0].unshard()
+            else:
+                unshard_storages(storages)
 
     def _post_forward_hook(self, unit: UnitRuntime) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -137,6 +190,11 @@ class ShardedRuntime:
             if not self._final_callback_queued:
                 self._final_callback_queued = True
                 Variable._execution_engine.queue_callback(self._end_of_backward)
+            if unit not in self._backward_recording:
+                self._backward_recording.append(unit)
+            if unit.needs_gather:
+                order = self._backward_order or self._forward_order[::-1]
+                self._unshard_together(self._with_followers(unit, order))
             unit.unshard()
 
         return hook
@@ -167,6 +225,7 @@ class ShardedRuntime:
                 storage.reshard()
 
     def _end_of_backward(self) -> None:
+        self._backward_order, self._backward_recording = self._backward_recording, []
         for dtype in list(self._pending):
             self._flush(dtype)
         for unit in self.units:
