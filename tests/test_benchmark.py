@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from groupshard.model import GPT
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
@@ -20,10 +22,8 @@ def test_benchmark_runs_every_system_and_matches_single_process(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(output.read_text())
     sys.path.insert(0, str(BENCHMARKS))
-    try:
-        from run import systems
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    from run import MODELS, systems
+
     assert list(report["rows"]) == list(systems())
     for name, row in report["rows"].items():
         assert row["step_ms"] > 0 and row["collectives"]["count"] >= 1, name
@@ -31,3 +31,7 @@ def test_benchmark_runs_every_system_and_matches_single_process(tmp_path):
         tolerance = 1e-5 if name.startswith("groupshard") else 1e-4
         assert row["max_difference"] <= tolerance, (name, row["max_difference"])
     assert "FSDP2" in result.stdout and "groupshard full" in result.stdout
+    # communication of "full": all-gather forward + backward + reduce-scatter
+    parameter_bytes = sum(p.numel() * 4 for p in GPT(MODELS["tiny"][0]).parameters())
+    moved = report["rows"]["groupshard full"]["collectives"]["groupshard_bytes"]
+    assert moved <= 1.05 * 3 * parameter_bytes * (2 - 1) / 2
