@@ -150,11 +150,16 @@ def fsdp1(base: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 def groupshard(
-    strategy: str, lamb: bool = False, groups: Callable[[nn.Module], Any] = _groups
+    strategy: str,
+    lamb: bool = False,
+    groups: Callable[[nn.Module], Any] = _groups,
+    prefetch_bytes: int = 25 * 2**20,
 ) -> Callable[[nn.Module], tuple[nn.Module, torch.optim.Optimizer]]:
     def build(base: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
         model = copy.deepcopy(base)
-        model = gs.shard(model, groups(model), unit=Block, strategy=strategy)
+        model = gs.shard(
+            model, groups(model), unit=Block, strategy=strategy, prefetch_bytes=prefetch_bytes
+        )
         if lamb:
             return model, gs.optim.LAMB(model.optimizer_groups(), lr=LR)
         return model, _adamw(model.optimizer_groups())
@@ -215,6 +220,7 @@ def systems(lamb: bool = True) -> dict[str, Callable[[nn.Module], tuple[nn.Modul
         "groupshard no_shard": groupshard("no_shard"),
         "groupshard ZeRO + DDP": groupshard_zero,
         "groupshard full, 8 groups": groupshard("full", groups=_eight_groups),
+        "groupshard full, prefetch 0": groupshard("full", prefetch_bytes=0),
     })  # fmt: skip
     if lamb:
         table["groupshard full + LAMB"] = groupshard("full", lamb=True)
@@ -257,11 +263,21 @@ def _unique_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-def _held_bytes(model: Any, optimizer: Any) -> dict[str, int]:
-    """Bytes of parameters, gradients and optimizer state this rank holds (after a step)."""
+def _held_bytes(model: Any, optimizer: Any, tokens: torch.Tensor) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state this rank holds at the end of a
+    backward (and, for groupshard, the most unsharded parameters held at once)."""
+    runtime = model.groupshard.runtime if hasattr(model, "groupshard") else None
+    if runtime is not None:
+        runtime.peak_gathered_bytes = 0
+    loss = model(tokens[:, :-1], tokens[:, 1:])
+    if hasattr(model, "zero_optimization_stage"):  # DeepSpeed keeps gradients its own way
+        model.backward(loss)
+    else:
+        loss.backward()
     params = [p for p in model.parameters()]
-    if hasattr(model, "groupshard"):
+    if runtime is not None:
         params = [s for storage in model.groupshard.storages for s in storage.shards]
+    grads = [p.grad for p in params if p.grad is not None]
     inner = getattr(optimizer, "optim", optimizer)
     states = [
         v
@@ -274,7 +290,16 @@ def _held_bytes(model: Any, optimizer: Any) -> dict[str, int]:
     ):
         states = [v for state in optimizer.optimizer.state.values() for v in state.values()
                   if isinstance(v, torch.Tensor) and v.dim() > 0]  # fmt: skip
-    return {"params": _unique_bytes(params), "state": _unique_bytes(states)}
+    held = {"params": _unique_bytes(params), "grads": _unique_bytes(grads),
+            "state": _unique_bytes(states)}  # fmt: skip
+    if hasattr(model, "zero_optimization_stage"):
+        model.step()
+    else:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    if runtime is not None:
+        held["gathered_peak"] = runtime.peak_gathered_bytes
+    return held
 
 
 def _groupshard_volume() -> tuple[dict[str, Any], list[float]]:
@@ -377,7 +402,7 @@ def _worker(rank: int, args: argparse.Namespace, store_path: str, result_path: s
     if args.only:
         table = {args.only: table[args.only]}
     built = {name: build(base) for name, build in table.items()}
-    steps = args.warmup + args.rounds + 1
+    steps = args.warmup + args.rounds + 2  # + one profiled step + one measured for memory
     batches = _batches(config, batch, args.world_size, steps)
     local = slice(rank * batch, (rank + 1) * batch)
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in built}
@@ -390,8 +415,8 @@ def _worker(rank: int, args: argparse.Namespace, store_path: str, result_path: s
     results: dict[str, Any] = {}
     for name, (model, optimizer) in built.items():
         dist.barrier()
-        results[name] = {"collectives": _collectives(model, optimizer, batches[-1][local])}
-        results[name]["held_bytes"] = _held_bytes(model, optimizer)
+        results[name] = {"collectives": _collectives(model, optimizer, batches[-2][local])}
+        results[name]["held_bytes"] = _held_bytes(model, optimizer, batches[-1][local])
         if times[name]:
             results[name]["step_ms"] = statistics.median(t for t, _ in times[name]) * 1e3
             results[name]["optimizer_ms"] = statistics.median(o for _, o in times[name]) * 1e3
@@ -444,9 +469,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     total = sum(p.numel() for p in GPT(config).parameters()) * 4
     for name in names:
         row = dict(per_rank[0][name])
-        row["held_bytes_per_rank"] = [sum(r[name]["held_bytes"].values()) for r in per_rank]
-        # params + state held, plus gradients (as many bytes as the sharded parameters)
-        row["ideal_bytes_per_rank"] = 3 * total // args.world_size
+        row["held_bytes_per_rank"] = [
+            sum(v for k, v in r[name]["held_bytes"].items() if k != "gathered_peak")
+            for r in per_rank
+        ]  # parameters + gradients + optimizer state
+        row["ideal_bytes_per_rank"] = 4 * total // args.world_size  # AdamW: 2 states
         report["rows"][name] = row
     if args.rss:
         for name in names:
@@ -464,9 +491,9 @@ def print_table(report: dict[str, Any]) -> None:
     nan = float("nan")
     print(f"model {report['model']}, world size {report['world_size']}, gloo, 1 thread/rank; "
           f"{report['machine']}")  # fmt: skip
-    columns = ["step ms", "/FSDP2", "tok/s", "optim ms", "held MB/rank", "coll/step", "moved MB",
-               "peak RSS MB", "max diff"]  # fmt: skip
-    widths = [8, 7, 8, 9, 13, 9, 8, 12, 9]
+    columns = ["step ms", "/FSDP2", "tok/s", "optim ms", "held MB/rank", "gathered MB",
+               "coll/step", "moved MB", "peak RSS MB", "max diff"]  # fmt: skip
+    widths = [8, 7, 8, 9, 13, 11, 9, 8, 12, 9]
     print(f"{'system':28s} " + " ".join(f"{c:>{w}s}" for c, w in zip(columns, widths, strict=True)))
     for name, row in report["rows"].items():
         held = max(row["held_bytes_per_rank"]) / 2**20
@@ -474,6 +501,7 @@ def print_table(report: dict[str, Any]) -> None:
         print(
             f"{name:28s} {row['step_ms']:8.1f} {row['ratio_to_fsdp2'] or float('nan'):7.2f} "
             f"{row['tokens_per_s']:8.0f} {row['optimizer_ms']:9.1f} {held:13.2f} "
+            f"{(row['held_bytes'].get('gathered_peak') or nan) / 2**20:11.2f} "
             f"{row['collectives']['count']:9d} "
             f"{(row['collectives']['groupshard_bytes'] or nan) / 2**20:8.2f} "
             f"{(max(rss) / 2**20) if rss else float('nan'):12.0f} "

@@ -94,6 +94,14 @@ class ShardedRuntime:
         self._handles: list[Any] = []
         # gradients waiting for one collective, per dtype: [(storage, unsharded grad)]
         self._pending: dict[torch.dtype, list[tuple[FlatStorage, torch.Tensor]]] = {}
+        self.peak_gathered_bytes = 0  # most unsharded parameter bytes held at once
+
+    def gathered_bytes(self) -> int:
+        """Bytes of unsharded parameters allocated right now."""
+        return sum(u.unsharded_bytes for u in self.units if any(s.is_unsharded for s in u.storages))
+
+    def _note_peak(self) -> None:
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
 
     @property
     def storages(self) -> list[FlatStorage]:
@@ -123,6 +131,7 @@ class ShardedRuntime:
             if unit.needs_gather:
                 self._unshard_together(self._with_followers(unit, self._forward_order))
             unit.unshard()
+            self._note_peak()
             unit.install_views()
 
         return hook
@@ -196,6 +205,7 @@ class ShardedRuntime:
                 order = self._backward_order or self._forward_order[::-1]
                 self._unshard_together(self._with_followers(unit, order))
             unit.unshard()
+            self._note_peak()
 
         return hook
 
@@ -204,6 +214,10 @@ class ShardedRuntime:
             grad = storage.take_unsharded_grad()
             if grad is None:
                 return
+            # The parameters are no longer needed once their gradient is complete (unless
+            # a frozen op later in backward reads this storage: then wait for the end).
+            if self.strategy == "full" and not storage.layout.frozen_buffers:
+                storage.reshard()
             pending = self._pending.setdefault(storage.layout.dtype, [])
             pending.append((storage, grad))
             waiting = sum(g.numel() * g.element_size() for _, g in pending)
@@ -217,12 +231,7 @@ class ShardedRuntime:
         pending = self._pending.pop(dtype, [])
         if not pending:
             return
-        storages = [storage for storage, _ in pending]
-        reduce_gradients(storages, [grad for _, grad in pending])
-        for storage in storages:
-            # A frozen op later in backward may still read this storage; wait for the end.
-            if self.strategy == "full" and not storage.layout.frozen_buffers:
-                storage.reshard()
+        reduce_gradients([storage for storage, _ in pending], [grad for _, grad in pending])
 
     def _end_of_backward(self) -> None:
         self._backward_order, self._backward_recording = self._backward_recording, []
