@@ -89,7 +89,7 @@ class ShardedModule(nn.Module):
         with torch.no_grad():
             for unit in runtime.units:
                 unit.stale = True
-                unit.unshard()
+            runtime.unshard_together(runtime.units)
             views = {fqn: v for s in state.storages for fqn, v in s.param_views().items()}
             _swap_in_originals(state, views)
         runtime.summoned = True

@@ -51,12 +51,6 @@ class UnitRuntime:
             if not s.replicated
         )
 
-    def unshard(self) -> None:
-        for storage in self.storages:
-            if not storage.is_unsharded or self.stale:
-                storage.unshard()
-        self.stale = False
-
     def reshard(self) -> None:
         for storage in self.storages:
             storage.reshard()
@@ -100,9 +94,6 @@ class ShardedRuntime:
         """Bytes of unsharded parameters allocated right now."""
         return sum(u.unsharded_bytes for u in self.units if any(s.is_unsharded for s in u.storages))
 
-    def _note_peak(self) -> None:
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
-
     @property
     def storages(self) -> list[FlatStorage]:
         return [storage for unit in self.units for storage in unit.storages]
@@ -129,9 +120,7 @@ class ShardedRuntime:
             if unit not in self._recording:
                 self._recording.append(unit)
             if unit.needs_gather:
-                self._unshard_together(self._with_followers(unit, self._forward_order))
-            unit.unshard()
-            self._note_peak()
+                self.unshard_together(self._with_followers(unit, self._forward_order))
             unit.install_views()
 
         return hook
@@ -145,7 +134,7 @@ class ShardedRuntime:
         if self.strategy == "grad_op" and torch.is_grad_enabled():
             # Every unit stays gathered from its forward to the end of backward, so
             # gathering all at once costs no extra memory and one collective per dtype.
-            self._unshard_together(self.units)
+            self.unshard_together(self.units)
 
     def _with_followers(self, unit: UnitRuntime, order: Sequence[UnitRuntime]) -> list[UnitRuntime]:
         """``unit`` and the units after it in ``order`` that fit in ``prefetch_bytes``.
@@ -164,8 +153,9 @@ class ShardedRuntime:
                 budget -= follower.unsharded_bytes
         return chosen
 
-    def _unshard_together(self, units: Sequence[UnitRuntime]) -> None:
-        """Gather the storages of ``units`` that need it: one collective per dtype."""
+    def unshard_together(self, units: Sequence[UnitRuntime]) -> None:
+        """Gather the storages of ``units`` that need it (not gathered, or stale): one
+        collective per dtype."""
         by_dtype: dict[torch.dtype, list[FlatStorage]] = {}
         for unit in units:
             for storage in unit.storages:
@@ -177,6 +167,7 @@ class ShardedRuntime:
                 storages[0].unshard()
             else:
                 unshard_storages(storages)
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
 
     def _post_forward_hook(self, unit: UnitRuntime) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -203,9 +194,7 @@ class ShardedRuntime:
                 self._backward_recording.append(unit)
             if unit.needs_gather:
                 order = self._backward_order or self._forward_order[::-1]
-                self._unshard_together(self._with_followers(unit, order))
-            unit.unshard()
-            self._note_peak()
+                self.unshard_together(self._with_followers(unit, order))
 
         return hook
 

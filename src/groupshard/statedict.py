@@ -8,6 +8,7 @@ groups on the unsharded model. The ``load_*`` functions take those plain formats
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -66,9 +67,8 @@ def _expected_entries(model: ShardedModule) -> dict[str, tuple[str | None, torch
     for fqn, places in state.plan.registrations.items():
         for module_name, attr in places:
             entries[f"{module_name}.{attr}" if module_name else attr] = (fqn, slots[fqn])
-    shard_names = {id(shard) for storage in state.storages for shard in storage.shards}
-    for name, tensor in model.state_dict().items():
-        if id(tensor) not in shard_names and not name.rpartition(".")[2].startswith("groupshard_"):
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if not isinstance(tensor, nn.Parameter):  # the shards are the only parameters left
             entries[name] = (None, tensor.shape)
     return entries
 
@@ -78,9 +78,10 @@ def _describe(kind: str, names: list[str]) -> str:
     return f"{len(names)} {kind}: {shown}"
 
 
-def check_model_state_dict(model: ShardedModule, state_dict: dict[str, Any]) -> None:
+def _check_model_state_dict(
+    expected: dict[str, tuple[str | None, torch.Size]], state_dict: dict[str, Any]
+) -> None:
     """Raise a ValueError listing missing, unexpected and mis-shaped entries, if any."""
-    expected = _expected_entries(model)
     missing = [n for n in expected if n not in state_dict]
     unexpected = [n for n in state_dict if n not in expected]
     mismatched = [
@@ -108,14 +109,15 @@ def load_full_state_dict(model: ShardedModule, state_dict: dict[str, torch.Tenso
     Every rank needs the whole dict; each keeps its own slices. No collectives.
     """
     state = _state_of(model, "load_full_state_dict")
-    check_model_state_dict(model, state_dict)
-    by_fqn = {fqn: state_dict[name] for name, (fqn, _) in _expected_entries(model).items() if fqn}
+    expected = _expected_entries(model)
+    _check_model_state_dict(expected, state_dict)
+    by_fqn = {fqn: state_dict[name] for name, (fqn, _) in expected.items() if fqn}
     for storage in state.storages:
         for shard, buffer in zip(storage.shards, storage.layout.buffers, strict=True):
             values = [by_fqn[slot.fqn] for slot in buffer.params]
             shard.copy_(flatstate.shard_of(values, buffer, storage.shard_rank, shard))
     buffers = dict(model.named_buffers())
-    for name, (fqn, _) in _expected_entries(model).items():
+    for name, (fqn, _) in expected.items():
         if fqn is None and name in buffers:
             buffers[name].copy_(state_dict[name])
 
@@ -156,14 +158,27 @@ def optim_state_dict(model: ShardedModule, optimizer: torch.optim.Optimizer) -> 
                 segments.replicated,
             )  # fmt: skip
             per_fqn.update(zip(segments.fqns, entries, strict=True))
+    groups = [
+        (resolved.listed, {k: v for k, v in group.items() if k != "params"})
+        for group, resolved in zip(optimizer.param_groups, state.groups.groups, strict=True)
+    ]
+    return plain_optimizer_state(groups, per_fqn)
+
+
+def plain_optimizer_state(
+    groups: list[tuple[Sequence[str], dict[str, Any]]], per_fqn: Mapping[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """torch.optim's state-dict format from ``(listed FQNs, hyperparameters)`` per group and
+    each parameter's state: parameters are numbered across groups in the listed order, as
+    a torch optimizer built with those groups numbers them; ones without state are left out.
+    """
     result: dict[str, Any] = {"state": {}, "param_groups": []}
     index = 0
-    for group, resolved in zip(optimizer.param_groups, state.groups.groups, strict=True):
-        indices = list(range(index, index + len(resolved.listed)))
-        for position, fqn in zip(indices, resolved.listed, strict=True):
+    for listed, hyperparameters in groups:
+        indices = list(range(index, index + len(listed)))
+        for position, fqn in zip(indices, listed, strict=True):
             if per_fqn.get(fqn):
                 result["state"][position] = per_fqn[fqn]
-        hyperparameters = {k: v for k, v in group.items() if k != "params"}
         result["param_groups"].append({**hyperparameters, "params": indices})
         index += len(indices)
     return result

@@ -23,6 +23,7 @@ from groupshard import comm, flatstate
 from groupshard.flat import SEGMENTS_ATTR, ShardSegments
 from groupshard.layout import build_flat_buffer
 from groupshard.optim.common import evaluate_closure
+from groupshard.statedict import plain_optimizer_state
 
 
 def _param_name(group_index: int, position: int) -> str:
@@ -235,30 +236,17 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the full optimizer state on group rank ``to`` (collective: call on all ranks)."""
-        state: dict[int, dict[str, Any]] = {}
-        index = 0
-        for bucket in self._buckets:
+        per_param: dict[str, dict[str, Any]] = {}
+        groups = []
+        for bucket, group in zip(self._buckets, self.param_groups, strict=True):
             local = self.optim.state.get(bucket.shard, {})
-            per_param = flatstate.gather_shard_state(
+            entries = flatstate.gather_shard_state(
                 local, bucket.shard, bucket.layout, self.ranks, replicated=False
             )
-            for entry in per_param:
-                if entry:
-                    state[index] = entry
-                index += 1
-        if self.rank == to:
-            self._consolidated = {"state": state, "param_groups": self._indexed_groups()}
-        else:
-            self._consolidated = None
-
-    def _indexed_groups(self) -> list[dict[str, Any]]:
-        groups, index = [], 0
-        for group in self.param_groups:
-            count = len(group["params"])
-            groups.append({**{k: v for k, v in group.items() if k != "params"},
-                           "params": list(range(index, index + count))})  # fmt: skip
-            index += count
-        return groups
+            names = [slot.fqn for slot in bucket.layout.params]
+            per_param.update(zip(names, entries, strict=True))
+            groups.append((names, {k: v for k, v in group.items() if k != "params"}))
+        self._consolidated = plain_optimizer_state(groups, per_param) if self.rank == to else None
 
     def state_dict(self) -> dict[str, Any]:
         """The consolidated state in plain torch.optim format (after consolidate_state_dict)."""

@@ -32,15 +32,15 @@ from torch.distributed._shard.sharded_tensor.metadata import (
     TensorProperties,
 )
 
-from groupshard import comm
+from groupshard import comm, flatstate
 from groupshard.api import ShardedModule
 from groupshard.flat import ShardSegments, segments_of
-from groupshard.statedict import check_optimizer
+from groupshard.statedict import check_optimizer, plain_optimizer_state
 
 META_FILE = "groupshard.json"
 FORMAT = "groupshard-checkpoint-1"
 
-__all__ = ["load", "save", "to_torch_save"]
+__all__ = ["load", "read_extra", "save", "to_torch_save"]
 
 
 # --- JSON for hyperparameters and extras (no pickle) ------------------------------
@@ -160,7 +160,7 @@ def _optim_entries(
             segments = segments_of(shard)
             assert segments is not None
             for key, value in optimizer.state.get(shard, {}).items():
-                if isinstance(value, torch.Tensor) and value.shape == shard.shape and value.dim():
+                if flatstate.is_per_element(value, shard):
                     for fqn, piece in _pieces(value, segments).items():
                         entries[f"optim.{fqn}.{key}"] = piece
                     kind = {"kind": "per_element", "dtype": str(value.dtype)}
@@ -272,6 +272,13 @@ def _read_meta(path: Path) -> dict[str, Any]:
             f"{str(path)!r} is not a {FORMAT} checkpoint (format {meta.get('format')!r})"
         )
     return meta
+
+
+def read_extra(path: str | os.PathLike) -> dict[str, Any]:
+    """The plain-value ``extra`` a checkpoint was saved with, from its metadata alone
+    (cheap: no tensors are read; tensors given as extra are left out)."""
+    meta = _read_meta(_resolve(Path(path)))
+    return {k: _decode(v) for k, v in meta["extra"].items()}
 
 
 def _differences(kind: str, expected: list[str], found: list[str]) -> list[str]:
@@ -418,22 +425,15 @@ def to_torch_save(path: str | os.PathLike, output: str | os.PathLike) -> None:
 
 
 def _plain_optim(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-    state: dict[int, dict[str, Any]] = {}
-    groups = []
-    index = 0
-    for group in meta["groups"]:
-        indices = list(range(index, index + len(group["params"])))
-        for position, fqn in zip(indices, group["params"], strict=True):
-            entry = {}
-            for key, kind in meta["optim_state"].get(fqn, {}).items():
-                if kind["kind"] == "per_element":
-                    entry[key] = tensors[f"optim.{fqn}.{key}"].view(meta["params"][fqn]["shape"])
-                elif kind["kind"] == "tensor":
-                    entry[key] = tensors[f"optim.{fqn}.{key}"]
-                else:
-                    entry[key] = _decode(kind["value"])
-            if entry:
-                state[position] = entry
-        groups.append({**_decode(group["hyperparameters"]), "params": indices})
-        index += len(indices)
-    return {"state": state, "param_groups": groups}
+    per_fqn: dict[str, dict[str, Any]] = {}
+    for fqn, described in meta["optim_state"].items():
+        entry = per_fqn.setdefault(fqn, {})
+        for key, kind in described.items():
+            if kind["kind"] == "per_element":
+                entry[key] = tensors[f"optim.{fqn}.{key}"].view(meta["params"][fqn]["shape"])
+            elif kind["kind"] == "tensor":
+                entry[key] = tensors[f"optim.{fqn}.{key}"]
+            else:
+                entry[key] = _decode(kind["value"])
+    groups = [(g["params"], _decode(g["hyperparameters"])) for g in meta["groups"]]
+    return plain_optimizer_state(groups, per_fqn)

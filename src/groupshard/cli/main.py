@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from groupshard import checkpoint as gs_checkpoint
 from groupshard.cli import data as corpus
 from groupshard.cli.train import CHECKPOINT, OPTIMIZERS, PRESETS, TrainConfig, worker
 
@@ -103,10 +103,9 @@ def _check(args: argparse.Namespace) -> TrainConfig:
 
 def _check_resumable(checkpoint: Path, args: argparse.Namespace) -> None:
     """The checkpoint exists and was written for the same model and optimizer."""
-    meta_file, zero_file = checkpoint / "groupshard.json", checkpoint / "zero.pt"
-    if meta_file.exists():
-        saved = json.loads(meta_file.read_text())["extra"]["config"]
-        saved = {key: value for key, value in saved["__dict__"]}
+    zero_file = checkpoint / "zero.pt"
+    if (checkpoint / gs_checkpoint.META_FILE).exists():
+        saved = gs_checkpoint.read_extra(checkpoint)["config"]
     elif zero_file.exists():
         saved = torch.load(zero_file, weights_only=True)["extra"]["config"]
     else:
