@@ -278,6 +278,7 @@ def _held_bytes(model: Any, optimizer: Any, tokens: torch.Tensor) -> dict[str, i
     if runtime is not None:
         params = [s for storage in model.groupshard.storages for s in storage.shards]
     grads = [p.grad for p in params if p.grad is not None]
+    grads += getattr(optimizer, "gradient_slices", [])  # groupshard ZeRO's, kept between steps
     inner = getattr(optimizer, "optim", optimizer)
     states = [
         v

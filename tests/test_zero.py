@@ -112,6 +112,35 @@ def test_inner_defaults_show_through_and_generators_are_accepted():
     assert zero.param_groups[0]["weight_decay"] == 0.01  # AdamW's own default
 
 
+def missing_gradient_case(rank, world_size):
+    """A parameter whose gradient is there in one step and missing in the next counts as
+    a zero gradient then (the slice's gradient buffer is reused between steps)."""
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(7, 5)), nn.Parameter(torch.randn(3))]
+    reference = [nn.Parameter(p.detach().clone()) for p in params]
+    zero = gs.ZeroRedundancyOptimizer(params, torch.optim.SGD, lr=0.1, momentum=0.9)
+    reference_opt = torch.optim.SGD(reference, lr=0.1, momentum=0.9)
+    for step in range(3):
+        generator = torch.Generator().manual_seed(step)
+        grads = [torch.randn(p.shape, generator=generator) for p in params]
+        if step == 1:
+            grads[0] = None
+        for param, ref, grad in zip(params, reference, grads, strict=True):
+            param.grad = None if grad is None else grad.clone()
+            ref.grad = torch.zeros_like(ref) if grad is None else grad.clone()
+        zero.step()
+        zero.zero_grad()
+        reference_opt.step()
+        reference_opt.zero_grad()
+    assert [t.numel() for t in zero.gradient_slices] == [-(-38 // world_size)]
+    return max((p - r).abs().max().item() for p, r in zip(params, reference, strict=True))
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_gradient_missing_in_one_step_counts_as_zero(run_ranks, world_size):
+    assert max(run_ranks(world_size, missing_gradient_case)) <= TOLERANCE
+
+
 @pytest.mark.parametrize(
     ("params", "error", "message"),
     [

@@ -49,16 +49,20 @@ def resolve_ranks(process_group: Any = None) -> Ranks:
 def all_gather(output: torch.Tensor, shard: torch.Tensor, ranks: Ranks) -> None:
     """Fill ``output`` (``size`` x ``shard``, rank-major) with every rank's ``shard``.
 
+    ``shard`` may be this rank's chunk of ``output`` itself (an in-place all-gather).
+
     Note:
         On gloo, one broadcast from each rank into its chunk of ``output`` takes less
         than half the time of gloo's all-gather (measured on CPU, 2 ranks, 17 MB).
     """
     if ranks.group is None:
-        output.copy_(shard)
+        if output.data_ptr() != shard.data_ptr():
+            output.copy_(shard)
         return
     if ranks.is_gloo:
         chunks = output.view(ranks.size, -1)
-        chunks[ranks.rank].copy_(shard.reshape(-1))
+        if chunks[ranks.rank].data_ptr() != shard.data_ptr():
+            chunks[ranks.rank].copy_(shard.reshape(-1))
         for rank, chunk in enumerate(chunks):
             dist.broadcast(chunk, src=dist.get_global_rank(ranks.group, rank), group=ranks.group)
         return
