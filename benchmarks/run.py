@@ -1,6 +1,7 @@
 """The project benchmark: the same training step, every system, interleaved in one run.
 
     python benchmarks/run.py [--model 4m|small-params|30m|tiny] [--world-size 2] [--rounds 10]
+                             [--device cpu|cuda] [--rss]
 
 Systems: DDP, torch ZeroRedundancyOptimizer + DDP, FSDP2 (``fully_shard`` per block
 and root), FSDP1 (``use_orig_params``, per block), DeepSpeed ZeRO 1/2/3 (when
@@ -10,18 +11,23 @@ LAMB. All get the same two groups (decay / no decay), AdamW unless named.
 
 Per system: median step time after warm-up and its ratio to FSDP2, tokens/s, the
 optimizer step alone, bytes of parameters + gradients + optimizer state held per
-rank against the ideal (total / N), collectives and bytes per step (the ``c10d::``
-ops torch.profiler records on a warm step), peak RSS per rank (each system again in
-fresh processes, so peaks are its own), and the largest parameter difference from
-single-process training after the run. Output: a table and a JSON file.
+rank against the ideal (total / N) and the most unsharded parameter bytes held at
+once (groupshard and FSDP2), collectives and bytes per step (the ``c10d::`` ops
+torch.profiler records on a warm step), with ``--rss`` the peak RSS per rank (the
+peak GPU memory on cuda; each system again in fresh processes, so peaks are its
+own), and the largest parameter difference from single-process training after the
+run. Output: a table and a JSON file.
 
-Note: gloo carries out a reduce-scatter as a full all-reduce, so on CPU every
-sharded system pays more for gradients than it would over NCCL.
+On CPU the ranks talk over gloo with one thread each; with ``--device cuda`` (the
+default where there are 2 or more GPUs) each rank takes one GPU and NCCL. gloo
+carries out a reduce-scatter as a full all-reduce, so on CPU every sharded system
+pays more for gradients than it would over NCCL.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import json
@@ -32,8 +38,9 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -144,7 +151,7 @@ def fsdp1(base: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
 
     model = FSDP(
         copy.deepcopy(base), auto_wrap_policy=ModuleWrapPolicy({Block}),
-        use_orig_params=True, device_id=torch.device("cpu"),
+        use_orig_params=True, device_id=_device(),
     )  # fmt: skip
     return model, _adamw(_groups(model))
 
@@ -237,20 +244,33 @@ def _batches(config: GPTConfig, batch: int, world_size: int, count: int) -> list
     return [torch.randint(0, config.vocab_size, shape, generator=generator) for _ in range(count)]
 
 
+def _device() -> torch.device:
+    """Where this rank computes: its GPU under NCCL, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _now() -> float:
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
 def _step(model: Any, optimizer: Any, tokens: torch.Tensor) -> tuple[float, float]:
     """One training step; returns (total seconds, optimizer seconds)."""
-    started = time.perf_counter()
+    started = _now()
     loss = model(tokens[:, :-1], tokens[:, 1:])
     if hasattr(model, "backward") and hasattr(model, "zero_optimization_stage"):  # DeepSpeed
         model.backward(loss)
-        optimizer_started = time.perf_counter()
+        optimizer_started = _now()
         model.step()
     else:
         loss.backward()
-        optimizer_started = time.perf_counter()
+        optimizer_started = _now()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    finished = time.perf_counter()
+    finished = _now()
     return finished - started, finished - optimizer_started
 
 
@@ -263,19 +283,68 @@ def _unique_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-def _held_bytes(model: Any, optimizer: Any, tokens: torch.Tensor) -> dict[str, int]:
-    """Bytes of parameters, gradients and optimizer state this rank holds at the end of a
-    backward (and, for groupshard, the most unsharded parameters held at once)."""
+def _fsdp2_unsharded_bytes(model: nn.Module) -> int:
+    """Bytes of unsharded parameters FSDP2 holds now (its freed buffers have empty storage)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    held = 0
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = module._get_fsdp_state()._fsdp_param_group
+        for fsdp_param in group.fsdp_params if group is not None else ():
+            held += sum(t.untyped_storage().nbytes() for t in fsdp_param.all_gather_outputs)
+    return held
+
+
+@contextlib.contextmanager
+def _gathered_peak(model: Any) -> Iterator[Callable[[], int | None]]:
+    """The most unsharded parameter bytes held at once while inside: groupshard's own
+    count, FSDP2's sampled after each of its unshards (gathered memory only grows there);
+    ``None`` for other systems."""
     runtime = model.groupshard.runtime if hasattr(model, "groupshard") else None
     if runtime is not None:
         runtime.peak_gathered_bytes = 0
-    loss = model(tokens[:, :-1], tokens[:, 1:])
-    if hasattr(model, "zero_optimization_stage"):  # DeepSpeed keeps gradients its own way
-        model.backward(loss)
-    else:
-        loss.backward()
+        yield lambda: runtime.peak_gathered_bytes
+        return
+    if not hasattr(model, "_get_fsdp_state"):
+        yield lambda: None
+        return
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    peak = [0]
+    original = FSDPParamGroup.wait_for_unshard
+
+    def sampled(self: FSDPParamGroup) -> None:
+        original(self)
+        peak[0] = max(peak[0], _fsdp2_unsharded_bytes(model))
+
+    with mock.patch.object(FSDPParamGroup, "wait_for_unshard", sampled):
+        yield lambda: peak[0]
+
+
+def _held_bytes(model: Any, optimizer: Any, tokens: torch.Tensor) -> dict[str, int | None]:
+    """Bytes of parameters, gradients and optimizer state this rank holds at the end of a
+    backward, and the most unsharded parameter bytes held at once during the step."""
+    with _gathered_peak(model) as gathered_peak:
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        if hasattr(model, "zero_optimization_stage"):  # DeepSpeed keeps gradients its own way
+            model.backward(loss)
+        else:
+            loss.backward()
+        held = _counted_bytes(model, optimizer)
+        if hasattr(model, "zero_optimization_stage"):
+            model.step()
+        else:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        held["gathered_peak"] = gathered_peak()
+    return held
+
+
+def _counted_bytes(model: Any, optimizer: Any) -> dict[str, int | None]:
     params = [p for p in model.parameters()]
-    if runtime is not None:
+    if hasattr(model, "groupshard"):
         params = [s for storage in model.groupshard.storages for s in storage.shards]
     grads = [p.grad for p in params if p.grad is not None]
     grads += getattr(optimizer, "gradient_slices", [])  # groupshard ZeRO's, kept between steps
@@ -291,16 +360,8 @@ def _held_bytes(model: Any, optimizer: Any, tokens: torch.Tensor) -> dict[str, i
     ):
         states = [v for state in optimizer.optimizer.state.values() for v in state.values()
                   if isinstance(v, torch.Tensor) and v.dim() > 0]  # fmt: skip
-    held = {"params": _unique_bytes(params), "grads": _unique_bytes(grads),
+    return {"params": _unique_bytes(params), "grads": _unique_bytes(grads),
             "state": _unique_bytes(states)}  # fmt: skip
-    if hasattr(model, "zero_optimization_stage"):
-        model.step()
-    else:
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    if runtime is not None:
-        held["gathered_peak"] = runtime.peak_gathered_bytes
-    return held
 
 
 def _groupshard_volume() -> tuple[dict[str, Any], list[float]]:
@@ -335,8 +396,6 @@ def _groupshard_volume() -> tuple[dict[str, Any], list[float]]:
 def _collectives(model: Any, optimizer: Any, tokens: torch.Tensor) -> dict[str, Any]:
     """The c10d ops of one warm step, as torch.profiler records them, and for groupshard
     the bytes moved per rank (the profiler records no sizes for c10d ops on gloo)."""
-    from unittest import mock
-
     from torch.profiler import ProfilerActivity, profile
 
     from groupshard import comm
@@ -385,26 +444,30 @@ def _reference(base: nn.Module, batches: list[torch.Tensor], lamb: bool) -> dict
     return model.state_dict()
 
 
-def _init(rank: int, world_size: int, store_path: str) -> None:
+def _init(rank: int, world_size: int, store_path: str, device: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", DS_ACCELERATOR="cpu")  # fmt: skip
+                      MASTER_ADDR="127.0.0.1", DS_ACCELERATOR=device)  # fmt: skip
     torch.set_num_threads(1)
+    backend = "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        backend = "nccl"
     store = dist.FileStore(store_path, world_size)
     timeout = datetime.timedelta(seconds=300)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
 def _worker(rank: int, args: argparse.Namespace, store_path: str, result_path: str) -> None:
-    _init(rank, args.world_size, store_path)
+    _init(rank, args.world_size, store_path, args.device)
     config, batch = MODELS[args.model]
     torch.manual_seed(0)
-    base = GPT(config)
+    base = GPT(config).to(_device())
     table = systems(lamb=not args.no_lamb)
     if args.only:
         table = {args.only: table[args.only]}
     built = {name: build(base) for name, build in table.items()}
     steps = args.warmup + args.rounds + 2  # + one profiled step + one measured for memory
-    batches = _batches(config, batch, args.world_size, steps)
+    batches = [b.to(_device()) for b in _batches(config, batch, args.world_size, steps)]
     local = slice(rank * batch, (rank + 1) * batch)
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in built}
     for index in range(args.warmup + args.rounds):
@@ -428,13 +491,16 @@ def _worker(rank: int, args: argparse.Namespace, store_path: str, result_path: s
             / (results[name].get("step_ms", float("nan")) / 1e3)
         )
     results["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if torch.cuda.is_initialized():
+        results["peak_rss_bytes"] = torch.cuda.max_memory_allocated()  # the GPU's, not the host's
     if not args.only:
         references = {lamb: _reference(base, batches, lamb) for lamb in (False, True)}
         for name, (model, _) in built.items():
             full = _full_params(name, model)
             expected = references["LAMB" in name]
             results[name]["max_difference"] = max(
-                (full[k].double() - expected[k].double()).abs().max().item() for k in expected
+                (full[k].double().cpu() - expected[k].double().cpu()).abs().max().item()
+                for k in expected
             )
     gathered = [None] * args.world_size
     dist.all_gather_object(gathered, results)
@@ -463,6 +529,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     per_rank = _spawn(args)
     names = [n for n in per_rank[0] if n != "peak_rss_bytes"]
     report: dict[str, Any] = {"model": args.model, "world_size": args.world_size,
+                              "device": args.device,
                               "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
                                          f"{platform.python_version()}, torch {torch.__version__}",
                               "rows": {}}  # fmt: skip
@@ -490,10 +557,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def print_table(report: dict[str, Any]) -> None:
     nan = float("nan")
-    print(f"model {report['model']}, world size {report['world_size']}, gloo, 1 thread/rank; "
+    backend = "NCCL" if report.get("device") == "cuda" else "gloo"
+    print(f"model {report['model']}, world size {report['world_size']}, {backend}, 1 thread/rank; "
           f"{report['machine']}")  # fmt: skip
     columns = ["step ms", "/FSDP2", "tok/s", "optim ms", "held MB/rank", "gathered MB",
-               "coll/step", "moved MB", "peak RSS MB", "max diff"]  # fmt: skip
+               "coll/step", "moved MB", "peak MB", "max diff"]  # fmt: skip
     widths = [8, 7, 8, 9, 13, 11, 9, 8, 12, 9]
     print(f"{'system':28s} " + " ".join(f"{c:>{w}s}" for c, w in zip(columns, widths, strict=True)))
     for name, row in report["rows"].items():
@@ -519,6 +587,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--model", choices=sorted(MODELS), default="4m")
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cuda" if torch.cuda.device_count() >= 2 else "cpu",
+        help="cuda: one GPU per rank over NCCL (the default with 2 or more GPUs); cpu: gloo",
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--no-lamb", action="store_true", help="skip the LAMB rows")

@@ -35,3 +35,16 @@ def test_benchmark_runs_every_system_and_matches_single_process(tmp_path):
     parameter_bytes = sum(p.numel() * 4 for p in GPT(MODELS["tiny"][0]).parameters())
     moved = report["rows"]["groupshard full"]["collectives"]["groupshard_bytes"]
     assert moved <= 1.05 * 3 * parameter_bytes * (2 - 1) / 2
+    # the most unsharded parameters held at once: some, never more than the whole model
+    # (+ each flat buffer's padding to a multiple of the world size)
+    rows = report["rows"]
+    for name in ("FSDP2", "groupshard full", "groupshard full, prefetch 0"):
+        assert 0 < rows[name]["held_bytes"]["gathered_peak"] <= parameter_bytes + 1024, name
+    assert rows["DDP"]["held_bytes"]["gathered_peak"] is None
+    assert (
+        rows["groupshard full, prefetch 0"]["held_bytes"]["gathered_peak"]
+        < rows["groupshard full"]["held_bytes"]["gathered_peak"]
+    )
+    # groupshard's ZeRO keeps its gradient slices between steps: counted with the gradients
+    zero, torch_zero = rows["groupshard ZeRO + DDP"], rows["torch ZeRO + DDP"]
+    assert zero["held_bytes"]["grads"] > torch_zero["held_bytes"]["grads"]
