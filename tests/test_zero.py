@@ -48,7 +48,9 @@ def _step_both(ddp, zero, reference, reference_opt, batch, rank):
     reference_opt.zero_grad()
 
 
-def equivalence_case(rank, world_size, name, bucket_view, schedule=False, add_group_at=None):
+def equivalence_case(
+    rank, world_size, name, bucket_view, schedule=False, add_group_at=None, slice_numel=2**19
+):
     torch.manual_seed(0)
     model = EdgeGPT()
     reference = copy.deepcopy(model)
@@ -57,9 +59,18 @@ def equivalence_case(rank, world_size, name, bucket_view, schedule=False, add_gr
     if add_group_at is not None:  # the 1-D group joins later
         late, reference_late = groups.pop(0), reference_groups.pop(0)
     zero = gs.ZeroRedundancyOptimizer(
-        groups, optimizer_class, parameters_as_bucket_view=bucket_view, **kwargs
+        groups,
+        optimizer_class,
+        parameters_as_bucket_view=bucket_view,
+        max_slice_numel=slice_numel,
+        **kwargs,
     )
     assert len(zero.optim.param_groups) == len(groups)
+    if slice_numel < 2**19:  # small buckets: several per group, every slice within the bound
+        sizes = [p.numel() for g in zero.optim.param_groups for p in g["params"]]
+        assert len(sizes) > 2 * len(groups) and max(sizes) <= max(
+            slice_numel, max(-(-p.numel() // world_size) for p in model.parameters())
+        )
     reference_opt = optimizer_class(reference_groups, **kwargs)
     schedulers = []
     if schedule:
@@ -86,6 +97,13 @@ def test_matches_single_process(run_ranks, world_size, name, bucket_view):
 
 def test_layer_wise_optimizer_is_exact_on_slices(run_ranks):
     for difference, _ in run_ranks(3, equivalence_case, "lamb", False):
+        assert difference <= TOLERANCE
+
+
+@pytest.mark.parametrize(("world_size", "name"), [(2, "adamw"), (3, "lamb"), (4, "sgd")])
+def test_small_buckets_match_single_process(run_ranks, world_size, name):
+    """Groups split into many buckets (each its own slice, all-gather and state)."""
+    for difference, _ in run_ranks(world_size, equivalence_case, name, True, False, None, 40):
         assert difference <= TOLERANCE
 
 
@@ -190,7 +208,7 @@ def _plain_continue(model, state_dict, batches, groups_of):
     return model
 
 
-def state_dict_case(rank, world_size):
+def state_dict_case(rank, world_size, slice_numel=2**19):
     """ZeRO at this world size -> plain AdamW on one process, and plain -> ZeRO."""
     torch.manual_seed(0)
     batches = global_batches(10, world_size)
@@ -198,7 +216,7 @@ def state_dict_case(rank, world_size):
     reference = copy.deepcopy(model)
     plain_first = copy.deepcopy(model)
     zero = gs.ZeroRedundancyOptimizer(
-        two_groups(model), torch.optim.AdamW, **OPTIMIZERS["adamw"][1]
+        two_groups(model), torch.optim.AdamW, max_slice_numel=slice_numel, **OPTIMIZERS["adamw"][1]
     )
     reference_opt = torch.optim.AdamW(two_groups(reference), **OPTIMIZERS["adamw"][1])
     ddp = DDP(model)
@@ -215,7 +233,9 @@ def state_dict_case(rank, world_size):
         plain_opt.step()
         plain_opt.zero_grad()
     continued = copy.deepcopy(plain_first)
-    zero_after = gs.ZeroRedundancyOptimizer(two_groups(continued), torch.optim.AdamW, lr=0.5)
+    zero_after = gs.ZeroRedundancyOptimizer(
+        two_groups(continued), torch.optim.AdamW, lr=0.5, max_slice_numel=slice_numel
+    )
     zero_after.load_state_dict(plain_opt.state_dict())
     assert zero_after.param_groups[1]["lr"] == 2e-3  # hyperparameters come from the state dict
     ddp_after = DDP(continued)
@@ -231,13 +251,23 @@ def state_dict_case(rank, world_size):
     return results
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_state_dict_round_trips(run_ranks, world_size):
-    results = run_ranks(world_size, state_dict_case)
+@pytest.mark.parametrize(("world_size", "slice_numel"), [(2, 2**19), (4, 2**19), (3, 40)])
+def test_state_dict_round_trips(run_ranks, world_size, slice_numel):
+    results = run_ranks(world_size, state_dict_case, slice_numel)
     assert results[0]["state keys"] == ["exp_avg", "exp_avg_sq", "step"]
     assert results[0]["zero -> plain"] <= TOLERANCE
     for result in results:
         assert result["plain -> zero"] <= TOLERANCE
+
+
+def test_load_state_dict_with_state_for_some_parameters_of_a_bucket_names_the_rest():
+    params = [nn.Parameter(torch.randn(4, 3)), nn.Parameter(torch.randn(3))]
+    plain = torch.optim.AdamW(params, lr=1e-3)
+    params[0].grad = torch.ones(4, 3)  # only the first gets a step, hence state
+    plain.step()
+    zero = gs.ZeroRedundancyOptimizer(params, torch.optim.AdamW, lr=1e-3)
+    with pytest.raises(ValueError, match=r"no state for param_groups\[0\]\['params'\]\[1\]"):
+        zero.load_state_dict(plain.state_dict())
 
 
 class HugeAndTiny(nn.Module):
