@@ -179,6 +179,27 @@ def expand(
     return padded[segments.row_ids if by_rows else segments.segment_ids]
 
 
+def scale_by_parameter_(
+    values: torch.Tensor, per_parameter: torch.Tensor, like: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Multiply ``values`` in place by one factor per parameter (``like``'s layout).
+
+    A shard's segments are contiguous views, so this is one ``_foreach_mul_`` over them
+    (the padding keeps its values) instead of spreading the factors over every element
+    as ``expand`` does; a plain tensor is one parameter.
+    """
+    segments = segments_of(values if like is None else like)
+    if segments is None:
+        return values.mul_(per_parameter.reshape(()))
+    pieces = segments.pieces
+    if pieces:
+        views = values.view(-1).split([piece.numel for piece in pieces] + [segments.padding_numel])
+        first = pieces[0].param_index
+        factors = per_parameter[first : first + len(pieces)].unbind()
+        torch._foreach_mul_(list(views[:-1]), list(factors))
+    return values
+
+
 def _model_shards(model: nn.Module) -> list[nn.Parameter]:
     from groupshard.api import ShardedModule
 

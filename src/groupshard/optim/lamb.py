@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from groupshard.norms import SegmentReduction, expand
+from groupshard.norms import SegmentReduction, scale_by_parameter_
 from groupshard.optim.common import evaluate_closure, params_with_grad
 
 
@@ -68,14 +69,17 @@ class LAMB(torch.optim.Optimizer):
         step = state["step"].item()
         state["exp_avg"].lerp_(grad, 1 - beta1)
         state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        first, second = state["exp_avg"], state["exp_avg_sq"]
+        first_correction, second_correction = 1.0, 1.0
         if group["bias_correction"]:
-            first = first / (1 - beta1**step)
-            second = second / (1 - beta2**step)
-        update = first / (second.sqrt() + group["eps"])
+            first_correction = 1 - beta1**step
+            second_correction = math.sqrt(1 - beta2**step)
+        # m_hat / (sqrt(v_hat) + eps) + wd * w, with the corrections as scalars: four
+        # passes over the shard and one temporary besides the result
+        denominator = state["exp_avg_sq"].sqrt().div_(second_correction).add_(group["eps"])
         if group["weight_decay"]:
-            update.add_(param, alpha=group["weight_decay"])
-        return update
+            update = param.mul(group["weight_decay"])
+            return update.addcdiv_(state["exp_avg"], denominator, value=1 / first_correction)
+        return torch.div(state["exp_avg"], denominator).div_(first_correction)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -102,6 +106,6 @@ class LAMB(torch.optim.Optimizer):
                 )
                 if group["max_trust_ratio"] is not None:
                     trust = trust.clamp(max=group["max_trust_ratio"])
-                update.mul_(expand(trust, param, fill=1.0))
+                scale_by_parameter_(update, trust, param)
             param.add_(update, alpha=-group["lr"])
         return loss

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from groupshard.norms import SegmentReduction, expand
+from groupshard.norms import SegmentReduction, expand, scale_by_parameter_
 from groupshard.optim.lars import lars_local_lr
 from groupshard.optim.wrapper import OptimizerWrapper
 
@@ -62,7 +62,8 @@ class LARC(OptimizerWrapper):
             adjusted = (weight_norm > 0) & (grad_norm > 0)
             scale = torch.where(adjusted, local_lr, torch.ones_like(local_lr))
             decay = torch.where(adjusted, weight_decay, 0.0)
-            param.grad.add_(param * expand(decay, param)).mul_(expand(scale, param, fill=1.0))
+            param.grad.add_(param * expand(decay, param))
+            scale_by_parameter_(param.grad, scale, param)
 
     def inner_step(self) -> None:
         """Step the inner optimizer with the adjusted groups' weight decay hidden."""

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from groupshard.norms import SegmentReduction, expand
+from groupshard.norms import SegmentReduction, scale_by_parameter_
 from groupshard.optim.common import evaluate_closure, params_with_grad
 
 
@@ -84,7 +84,7 @@ class LARS(torch.optim.Optimizer):
                     group["weight_decay"],
                     group["eps"],
                 )
-                direction.mul_(expand(local_lr, param, fill=1.0))
+                scale_by_parameter_(direction, local_lr, param)
             self._apply_momentum(param, direction, group)
         return loss
 
