@@ -154,7 +154,7 @@ class FlatStorage:
             self.local[local_start:local_end].copy_(unsharded[offset + start : offset + end])
             offset += buffer.padded_numel
 
-    @property
+    @cached_property
     def trainable_shards(self) -> list[nn.Parameter]:
         return [
             s for s, b in zip(self.shards, self.layout.buffers, strict=True) if b.group_index >= 0
@@ -231,8 +231,8 @@ class FlatStorage:
 
     def assign_shard_grads(self, sharded_grad: torch.Tensor) -> None:
         """Give each trainable shard its slice of ``sharded_grad`` (added if it has one)."""
-        for index, shard in enumerate(self.trainable_shards):
-            piece = sharded_grad[slice(*self.layout.local_range(index))]
+        sizes = [buffer.shard_numel for buffer in self.layout.trainable_buffers]
+        for shard, piece in zip(self.trainable_shards, sharded_grad.split(sizes), strict=True):
             if shard.grad is None:
                 shard.grad = piece
             else:
