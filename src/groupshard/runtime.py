@@ -2,7 +2,8 @@
 
 Strategies:
     ``full`` (ZeRO-3): gather before forward, free after forward, gather again
-    before backward, reduce-scatter gradients and free as soon as they are ready.
+    before backward, reduce-scatter gradients and free as soon as they are ready;
+    the root unit stays gathered from its forward into backward, which starts with it.
     ``grad_op`` (ZeRO-2): stay gathered from forward to the end of backward.
     ``no_shard``: every rank holds everything; gradients are all-reduced.
 """
@@ -173,7 +174,10 @@ class ShardedRuntime:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if self.summoned:
                 return
-            if self.strategy == "full" or not torch.is_grad_enabled():
+            # grad_op keeps every unit for backward; full keeps only the root, whose
+            # backward begins right after its forward (FSDP2's root does the same)
+            keep = self.strategy != "full" or unit is self.units[0]
+            if not (keep and torch.is_grad_enabled()):
                 unit.reshard()
             if torch.is_grad_enabled():
                 tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
