@@ -238,7 +238,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     @property
     def gradient_slices(self) -> list[torch.Tensor]:
         """The buffers this rank copies its gradient slices into, kept between steps (one
-        per param group that has had a gradient): memory held beside the full gradients."""
+        per bucket that has had a gradient): memory held beside the full gradients."""
         return [b.grad_buffer for b in self._all_buckets if b.grad_buffer is not None]
 
     @property
@@ -302,8 +302,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 entries = flatstate.gather_shard_state(
                     local, bucket.shard, bucket.layout, self.ranks, replicated=False
                 )
-                names += [slot.fqn for slot in bucket.layout.params]
-                per_param.update(zip(names[-len(entries) :], entries, strict=True))
+                bucket_names = [slot.fqn for slot in bucket.layout.params]
+                per_param.update(zip(bucket_names, entries, strict=True))
+                names += bucket_names
             groups.append((names, {k: v for k, v in group.items() if k != "params"}))
         self._consolidated = plain_optimizer_state(groups, per_param) if self.rank == to else None
 
