@@ -393,21 +393,52 @@ def _groupshard_volume() -> tuple[dict[str, Any], list[float]]:
     return patches, moved
 
 
+SIZED_OPS = {"c10d::_allgather_base_": 0, "c10d::_reduce_scatter_base_": 1}
+"""c10d ops whose sizes torch.profiler records: index of the whole (unsharded) buffer
+among their inputs. Ops on tensor lists (all-reduce, broadcast) record no shapes."""
+
+
+def _profiled_bytes(events: list[Any], world_size: int, element_size: int) -> float | None:
+    """Bytes per rank the recorded c10d ops move with ideal algorithms ((N-1)/N of each
+    gathered or scattered buffer), or None when some op recorded no sizes."""
+    moved = 0.0
+    for event in events:
+        whole = SIZED_OPS.get(event.name)
+        if whole is None or not event.input_shapes[whole]:
+            return None
+        numel = 1
+        for dim in event.input_shapes[whole]:
+            numel *= dim
+        moved += numel * element_size * (world_size - 1) / world_size
+    return moved
+
+
 def _collectives(model: Any, optimizer: Any, tokens: torch.Tensor) -> dict[str, Any]:
-    """The c10d ops of one warm step, as torch.profiler records them, and for groupshard
-    the bytes moved per rank (the profiler records no sizes for c10d ops on gloo)."""
+    """The c10d ops of one warm step, as torch.profiler records them, and the bytes moved
+    per rank: for groupshard counted in its comm functions, for others from the sizes
+    the profiler records (all-gather and reduce-scatter only; None otherwise)."""
     from torch.profiler import ProfilerActivity, profile
 
     from groupshard import comm
 
     patches, moved = _groupshard_volume()
-    with mock.patch.multiple(comm, **patches), profile(activities=[ProfilerActivity.CPU]) as prof:
+    with (
+        mock.patch.multiple(comm, **patches),
+        profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof,
+    ):
         _step(model, optimizer, tokens)
+    events = [
+        event
+        for event in prof.events()
+        if event.name.startswith("c10d::") and not event.name.startswith("c10d::barrier")
+    ]
     ops: dict[str, int] = {}
-    for event in prof.events():
-        if event.name.startswith("c10d::") and not event.name.startswith("c10d::barrier"):
-            ops[event.name] = ops.get(event.name, 0) + 1
-    return {"count": sum(ops.values()), "ops": ops, "groupshard_bytes": moved[0] or None}
+    for event in events:
+        ops[event.name] = ops.get(event.name, 0) + 1
+    element_size = next(iter(model.parameters())).element_size()
+    profiled = _profiled_bytes(events, dist.get_world_size(), element_size)
+    return {"count": len(events), "ops": ops, "groupshard_bytes": moved[0] or None,
+            "profiled_bytes": profiled}  # fmt: skip
 
 
 def _full_params(name: str, model: Any) -> dict[str, torch.Tensor]:
@@ -555,6 +586,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def _moved_bytes(row: dict[str, Any]) -> float | None:
+    return row["collectives"]["groupshard_bytes"] or row["collectives"].get("profiled_bytes")
+
+
 def print_table(report: dict[str, Any]) -> None:
     nan = float("nan")
     backend = "NCCL" if report.get("device") == "cuda" else "gloo"
@@ -572,12 +607,13 @@ def print_table(report: dict[str, Any]) -> None:
             f"{row['tokens_per_s']:8.0f} {row['optimizer_ms']:9.1f} {held:13.2f} "
             f"{(row['held_bytes'].get('gathered_peak') or nan) / 2**20:11.2f} "
             f"{row['collectives']['count']:9d} "
-            f"{(row['collectives']['groupshard_bytes'] or nan) / 2**20:8.2f} "
+            f"{(_moved_bytes(row) or nan) / 2**20:8.2f} "
             f"{(max(rss) / 2**20) if rss else float('nan'):12.0f} "
             f"{row.get('max_difference', float('nan')):9.1e}"
         )
-    print("moved MB: bytes per rank through groupshard's collectives (ideal algorithms), next to "
-          "3 x parameter bytes x (N-1)/N for full.\ngloo runs a reduce-scatter as a full "
+    print("moved MB: bytes per rank with ideal algorithms, through groupshard's collectives or "
+          "from the sizes torch.profiler records\n(only all-gathers and reduce-scatters have them);"
+          " 3 x parameter bytes x (N-1)/N for full.\ngloo runs a reduce-scatter as a full "
           "all-reduce: sharded systems pay more for gradients on CPU than over NCCL.")  # fmt: skip
 
 

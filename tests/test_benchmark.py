@@ -35,6 +35,10 @@ def test_benchmark_runs_every_system_and_matches_single_process(tmp_path):
     parameter_bytes = sum(p.numel() * 4 for p in GPT(MODELS["tiny"][0]).parameters())
     moved = report["rows"]["groupshard full"]["collectives"]["groupshard_bytes"]
     assert moved <= 1.05 * 3 * parameter_bytes * (2 - 1) / 2
+    # FSDP's collectives carry sizes in the profile; FSDP2 also moves about 3 x the parameters
+    fsdp2_moved = report["rows"]["FSDP2"]["collectives"]["profiled_bytes"]
+    assert 0.9 * 1.5 * parameter_bytes <= fsdp2_moved <= 1.1 * 1.5 * parameter_bytes
+    assert report["rows"]["DDP"]["collectives"]["profiled_bytes"] is None  # all-reduce: no sizes
     # the most unsharded parameters held at once: some, never more than the whole model
     # (+ each flat buffer's padding to a multiple of the world size)
     rows = report["rows"]
