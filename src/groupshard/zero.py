@@ -86,13 +86,17 @@ def _bucket_positions(
     params: list[torch.Tensor], world_size: int, max_slice_numel: int | None
 ) -> list[list[int]]:
     """Runs of consecutive parameter positions whose slice per rank stays within
-    ``max_slice_numel`` elements (a larger parameter is a run of its own)."""
-    runs: list[list[int]] = []
+    ``max_slice_numel`` elements (a larger parameter is a run of its own), as few as
+    that allows and about equal in size, so no run is a small remainder."""
+    if max_slice_numel is None:
+        return [list(range(len(params)))]
+    limit = max_slice_numel * world_size
+    total = sum(param.numel() for param in params)
+    target = total / max(1, -(-total // limit))
+    runs: list[list[int]] = [[]]
     numel = 0
     for position, param in enumerate(params):
-        if not runs or (
-            max_slice_numel is not None and numel + param.numel() > max_slice_numel * world_size
-        ):
+        if runs[-1] and (numel >= target or numel + param.numel() > limit):
             runs.append([])
             numel = 0
         runs[-1].append(position)
