@@ -127,6 +127,37 @@ def test_gradient_accumulation_and_zero_grad(run_ranks, strategy):
     assert max(run_ranks(2, accumulation_case, strategy, False)) <= 1e-5
 
 
+def two_forwards_case(rank: int, world_size: int, strategy: str) -> tuple[float, int]:
+    """Two forwards, then one backward through both graphs; and a forward whose loss is
+    never backpropagated. The root, kept gathered after its forward, is gathered again
+    by the next forward and freed at the end of the backward."""
+    torch.manual_seed(0)
+    model = EdgeGPT()
+    reference = copy.deepcopy(model)
+    sharded = gs.shard(model, three_groups(model, 1e-3), unit=UNITS, strategy=strategy)
+    optimizer = torch.optim.SGD(sharded.optimizer_groups(), lr=0.1)
+    reference_optimizer = torch.optim.SGD(three_groups(reference, 1e-3), lr=0.1)
+    local = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
+    for inputs, targets in global_batches(3, 2 * world_size):
+        sharded(inputs[local], targets[local])  # a loss nobody backpropagates
+        first, second = inputs.chunk(2), targets.chunk(2)
+        loss = sum(sharded(x[local], y[local]) for x, y in zip(first, second, strict=True))
+        (loss / 2).backward()
+        reference(inputs, targets).backward()
+        for opt in (optimizer, reference_optimizer):
+            opt.step()
+            opt.zero_grad()
+    gathered = sharded.groupshard.runtime.gathered_bytes()
+    return max_difference(gs.full_state_dict(sharded), reference.state_dict()), gathered
+
+
+@pytest.mark.parametrize("strategy", ["full", "grad_op"])
+def test_two_forwards_then_one_backward(run_ranks, strategy):
+    for difference, gathered in run_ranks(2, two_forwards_case, strategy):
+        assert difference <= 1e-5
+        assert gathered == 0  # nothing stays unsharded after the backward
+
+
 def edge_layout_case(rank: int, world_size: int) -> dict[str, object]:
     sharded, _, losses, reference_losses = train_pair(rank, world_size, "full", "adamw", steps=3)
     buffers = {
