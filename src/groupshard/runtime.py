@@ -11,6 +11,7 @@ Strategies:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -39,11 +40,15 @@ class UnitRuntime:
         self.places = places  # FQN -> [(module, attribute)], every registration
         self.stale = False  # gathered data may predate an optimizer step
 
-    @property
-    def needs_gather(self) -> bool:
-        return any(not s.replicated and (self.stale or not s.is_unsharded) for s in self.storages)
+    def storages_to_gather(self) -> list[FlatStorage]:
+        """Sharded storages not gathered, or gathered before an optimizer step."""
+        return [s for s in self.storages if not s.replicated and (self.stale or not s.is_unsharded)]
 
     @property
+    def needs_gather(self) -> bool:
+        return bool(self.storages_to_gather())
+
+    @cached_property
     def unsharded_bytes(self) -> int:
         return sum(
             (s.layout.trainable_unsharded_numel + s.layout.frozen_unsharded_numel)
@@ -159,9 +164,8 @@ class ShardedRuntime:
         collective per dtype."""
         by_dtype: dict[torch.dtype, list[FlatStorage]] = {}
         for unit in units:
-            for storage in unit.storages:
-                if not storage.replicated and (unit.stale or not storage.is_unsharded):
-                    by_dtype.setdefault(storage.layout.dtype, []).append(storage)
+            for storage in unit.storages_to_gather():
+                by_dtype.setdefault(storage.layout.dtype, []).append(storage)
             unit.stale = False
         for storages in by_dtype.values():
             if len(storages) == 1:

@@ -135,8 +135,8 @@ class _Bucket:
         else:
             self.shard = nn.Parameter(flat[start:end].clone())
         self.grad_buffer: torch.Tensor | None = None
-        segments = ShardSegments(self.layout, ranks.rank, ranks, False, flat.device)
-        setattr(self.shard, SEGMENTS_ATTR, segments)
+        self.segments = ShardSegments(self.layout, ranks.rank, ranks, False, flat.device)
+        setattr(self.shard, SEGMENTS_ATTR, self.segments)
 
     def load_shard_gradient(self) -> None:
         """This rank's slice of the parameters' gradients (missing ones count as zero),
@@ -147,8 +147,8 @@ class _Bucket:
             return
         if self.grad_buffer is None:
             self.grad_buffer = torch.zeros_like(self.shard)
-        targets, sources, used = [], [], 0
-        for segment in self.layout.segments(self.ranks.rank):
+        targets, sources = [], []
+        for segment in self.segments.pieces:
             target = self.grad_buffer[segment.shard_offset : segment.shard_offset + segment.numel]
             grad = self.params[segment.param_index].grad
             if grad is None:
@@ -157,8 +157,8 @@ class _Bucket:
                 start = segment.param_offset
                 targets.append(target)
                 sources.append(grad.detach().reshape(-1)[start : start + segment.numel])
-            used = segment.shard_offset + segment.numel
-        self.grad_buffer[used:].zero_()  # padding: an optimizer may have written to it
+        # the padding: an optimizer may have written to it
+        self.grad_buffer[self.layout.shard_numel - self.segments.padding_numel :].zero_()
         if targets:
             torch._foreach_copy_(targets, sources)
         self.shard.grad = self.grad_buffer
