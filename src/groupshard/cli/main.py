@@ -14,7 +14,14 @@ import torch
 
 from groupshard import checkpoint as gs_checkpoint
 from groupshard.cli import data as corpus
-from groupshard.cli.train import CHECKPOINT, OPTIMIZERS, PRESETS, TrainConfig, worker
+from groupshard.cli.train import (
+    CHECKPOINT,
+    OPTIMIZERS,
+    PRESETS,
+    ZERO_CHECKPOINT,
+    TrainConfig,
+    worker,
+)
 
 
 class CommandError(Exception):
@@ -84,34 +91,34 @@ def _check(args: argparse.Namespace) -> TrainConfig:
     if sum(f.stat().st_size for f in files) < 20 * (block + 1):
         raise CommandError(f"--data is too small for --model {args.model} (block size {block})")
     out = args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
-    checkpoint = Path(out) / CHECKPOINT
-    if args.resume:
-        if not args.out:
-            raise CommandError("--resume needs --out, the folder of the run to continue")
-        _check_resumable(checkpoint, args)
-    elif checkpoint.exists():
-        raise CommandError(
-            f"{out} already holds a run; pass --resume to continue it or choose another --out"
-        )
-    return TrainConfig(
+    config = TrainConfig(
         data=args.data, model=args.model, steps=args.steps, batch_size=args.batch_size,
         lr=args.lr, weight_decay=args.weight_decay, strategy=args.strategy,
         optimizer=args.optimizer, zero=args.zero, seed=args.seed, out=out, resume=args.resume,
         ckpt_every=args.ckpt_every, eval_every=args.eval_every, clip=args.clip,
     )  # fmt: skip
+    checkpoint = Path(out) / CHECKPOINT
+    if args.resume:
+        if not args.out:
+            raise CommandError("--resume needs --out, the folder of the run to continue")
+        _check_resumable(checkpoint, config)
+    elif checkpoint.exists():
+        raise CommandError(
+            f"{out} already holds a run; pass --resume to continue it or choose another --out"
+        )
+    return config
 
 
-def _check_resumable(checkpoint: Path, args: argparse.Namespace) -> None:
+def _check_resumable(checkpoint: Path, config: TrainConfig) -> None:
     """The checkpoint exists and was written for the same model and optimizer."""
-    zero_file = checkpoint / "zero.pt"
+    zero_file = checkpoint / ZERO_CHECKPOINT
     if (checkpoint / gs_checkpoint.META_FILE).exists():
         saved = gs_checkpoint.read_extra(checkpoint)["config"]
     elif zero_file.exists():
         saved = torch.load(zero_file, weights_only=True)["extra"]["config"]
     else:
         raise CommandError(f"--resume: no checkpoint in {checkpoint.parent}")
-    wanted = {"model": args.model, "optimizer": args.optimizer, "zero": args.zero}
-    for key, value in wanted.items():
+    for key, value in config.identity().items():
         if saved.get(key) != value:
             raise CommandError(
                 f"--resume: the checkpoint in {checkpoint.parent} is from another run "

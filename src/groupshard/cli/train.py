@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import os
@@ -28,6 +29,7 @@ PRESETS = {
 }
 OPTIMIZERS = ("adamw", "sgd", "lamb", "lars")
 CHECKPOINT = "checkpoint"
+ZERO_CHECKPOINT = "zero.pt"  # inside CHECKPOINT: the --zero run's plain torch.save file
 
 
 @dataclass(frozen=True)
@@ -171,8 +173,9 @@ class Run:
                 path.mkdir(parents=True, exist_ok=True)
                 state = {"model": self.model.module.state_dict(),
                          "optim": self.optimizer.state_dict(), "extra": extra}  # fmt: skip
-                torch.save(state, path / "zero.pt.tmp")
-                os.replace(path / "zero.pt.tmp", path / "zero.pt")
+                temporary = path / f"{ZERO_CHECKPOINT}.tmp"
+                torch.save(state, temporary)
+                os.replace(temporary, path / ZERO_CHECKPOINT)
             comm.gather_objects(None, self.ranks)
 
     def load(self) -> int:
@@ -180,7 +183,7 @@ class Run:
         if self.sharded is not None:
             extra = gs.checkpoint.load(path, self.sharded, self.optimizer)
         else:
-            state = torch.load(path / "zero.pt", weights_only=True, map_location=self.device)
+            state = torch.load(path / ZERO_CHECKPOINT, weights_only=True, map_location=self.device)
             self.model.module.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optim"])
             extra = state["extra"]
@@ -271,8 +274,6 @@ def worker(config: TrainConfig) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    import datetime
-
     dist.init_process_group(
         "nccl" if torch.cuda.is_available() else "gloo", timeout=datetime.timedelta(seconds=120)
     )
