@@ -257,19 +257,32 @@ def _now() -> float:
     return time.perf_counter()
 
 
+def _is_deepspeed(model: Any) -> bool:
+    return hasattr(model, "zero_optimization_stage")
+
+
+def _backward(model: Any, loss: torch.Tensor) -> None:
+    """The backward pass (a DeepSpeed engine runs its own, into its own gradient buffers)."""
+    if _is_deepspeed(model):
+        model.backward(loss)
+    else:
+        loss.backward()
+
+
+def _optimizer_step(model: Any, optimizer: Any) -> None:
+    if _is_deepspeed(model):
+        model.step()
+    else:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
 def _step(model: Any, optimizer: Any, tokens: torch.Tensor) -> tuple[float, float]:
     """One training step; returns (total seconds, optimizer seconds)."""
     started = _now()
-    loss = model(tokens[:, :-1], tokens[:, 1:])
-    if hasattr(model, "backward") and hasattr(model, "zero_optimization_stage"):  # DeepSpeed
-        model.backward(loss)
-        optimizer_started = _now()
-        model.step()
-    else:
-        loss.backward()
-        optimizer_started = _now()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    _backward(model, model(tokens[:, :-1], tokens[:, 1:]))
+    optimizer_started = _now()
+    _optimizer_step(model, optimizer)
     finished = _now()
     return finished - started, finished - optimizer_started
 
@@ -327,17 +340,9 @@ def _held_bytes(model: Any, optimizer: Any, tokens: torch.Tensor) -> dict[str, i
     """Bytes of parameters, gradients and optimizer state this rank holds at the end of a
     backward, and the most unsharded parameter bytes held at once during the step."""
     with _gathered_peak(model) as gathered_peak:
-        loss = model(tokens[:, :-1], tokens[:, 1:])
-        if hasattr(model, "zero_optimization_stage"):  # DeepSpeed keeps gradients its own way
-            model.backward(loss)
-        else:
-            loss.backward()
+        _backward(model, model(tokens[:, :-1], tokens[:, 1:]))
         held = _counted_bytes(model, optimizer)
-        if hasattr(model, "zero_optimization_stage"):
-            model.step()
-        else:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        _optimizer_step(model, optimizer)
         held["gathered_peak"] = gathered_peak()
     return held
 
