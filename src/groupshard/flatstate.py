@@ -8,6 +8,7 @@ laid out like its parameter, so it shards with the same layout; scalar state
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -56,6 +57,42 @@ def is_per_element(value: Any, shard: torch.Tensor) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == shard.shape
 
 
+def preserve_segments(
+    shard: torch.Tensor, state: Mapping[str, Any], ranges: Sequence[tuple[int, int]]
+) -> Callable[[], None]:
+    """Keep ``shard[start:end]`` for each (start, end) in ``ranges``, and the same elements of
+    every per-element state tensor of ``state`` (laid out like ``shard``), as copies; the
+    returned function writes them back (after an optimizer step, so parameters without a
+    gradient neither move nor change their state). Scalar state (``step``) is shared by the
+    whole shard and cannot be kept per parameter.
+
+    Per-element state that appears in ``state`` during the step (pass the optimizer's own
+    dict, ``optimizer.state[shard]``, which torch optimizers fill lazily) is zeroed over
+    ``ranges``: torch creates state only at a parameter's first gradient, zero-initialised.
+    """
+    if not ranges:
+        return lambda: None
+    existing = {key for key, value in state.items() if is_per_element(value, shard)}
+    tensors = [shard.detach()] + [state[key].detach() for key in sorted(existing)]
+    targets = [tensor[start:end] for tensor in tensors for start, end in ranges]
+    kept = [torch.empty_like(target) for target in targets]
+    torch._foreach_copy_(kept, targets)
+
+    def restore() -> None:
+        with torch.no_grad():
+            torch._foreach_copy_(targets, kept)
+            created = [
+                value.detach()[start:end]
+                for key, value in state.items()
+                if key not in existing and is_per_element(value, shard)
+                for start, end in ranges
+            ]
+            if created:
+                torch._foreach_zero_(created)
+
+    return restore
+
+
 def is_per_parameter(key: str, values: list[Any], shapes: list[torch.Size]) -> bool:
     """Whether saved per-parameter state values are shaped like their parameters.
 
@@ -88,10 +125,45 @@ def gather_shard_state(
     return per_param
 
 
+def _comparable(value: Any) -> float | None:
+    """A scalar state value as a number to compare, or None where it is not one."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value.item())
+    if isinstance(value, (bool, int, float)):
+        return float(value)
+    return None
+
+
+def _check_one_scalar(key: str, values: list[Any], buffer: FlatBufferLayout) -> None:
+    """Fail, naming the parameters, if they hold different values of a scalar state key
+    (e.g. Adam's ``step``): their flat buffer keeps one, so loading would change it."""
+    numbers = [_comparable(value) for value in values]
+    if any(number is None for number in numbers) or len({repr(n) for n in numbers}) < 2:
+        return
+    names_by_value: dict[str, list[str]] = {}
+    for slot, number in zip(buffer.params, numbers, strict=True):
+        names_by_value.setdefault(repr(number), []).append(slot.fqn)
+    listed = "; ".join(
+        f"{value} for {', '.join(names[:3])}" + (f" and {len(names) - 3} more" if names[3:] else "")
+        for value, names in names_by_value.items()
+    )
+    raise ValueError(
+        f"Optimizer state {key!r} differs between parameters that share one flat buffer "
+        f"({listed}); a flat buffer and its slices keep one {key!r} for all their parameters, "
+        "so loading would silently change it. Load this state dict into a plain torch.optim "
+        "optimizer, or put these parameters in separate param groups (or, for "
+        "gs.ZeroRedundancyOptimizer, separate buckets with a smaller max_slice_numel)."
+    )
+
+
 def shard_state_from(
     entries: list[dict[str, Any]], shard: torch.Tensor, buffer: FlatBufferLayout, shard_rank: int
 ) -> dict[str, Any]:
-    """A shard's optimizer state from per-parameter dicts (scalars: the first parameter's)."""
+    """A shard's optimizer state from per-parameter dicts.
+
+    A scalar state value (``step``) must be the same for every parameter of the buffer:
+    a ValueError names the parameters otherwise (the same on every rank).
+    """
     shapes = [torch.Size(slot.shape) for slot in buffer.params]
     state: dict[str, Any] = {}
     for key, first in entries[0].items():
@@ -99,5 +171,6 @@ def shard_state_from(
         if is_per_parameter(key, values, shapes):
             state[key] = shard_of(values, buffer, shard_rank, shard)
         else:
+            _check_one_scalar(key, values, buffer)
             state[key] = first.clone() if isinstance(first, torch.Tensor) else first
     return state

@@ -9,21 +9,27 @@ slice is kept near cache size: optimizers make several passes over each tensor, 
 on CPU AdamW over one 15M-element tensor took twice as long as over 1M-element
 pieces. After the local step one all-gather per bucket refreshes the parameters.
 
+Each step starts from the parameters' current values (whatever changed them since the
+last step: ``load_state_dict``, a re-initialisation, DDP's broadcast), and a parameter
+whose ``.grad`` is None keeps its values and per-element state, as in torch.optim.
+
 For ZeRO-2 (gradients reduce-scattered, each rank keeping only its slice) use
 ``gs.shard(model, groups, strategy="grad_op")`` with any torch optimizer.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from groupshard import comm, flatstate
 from groupshard.flat import SEGMENTS_ATTR, ShardSegments
-from groupshard.layout import build_flat_buffer
+from groupshard.layout import Segment, build_flat_buffer
 from groupshard.optim.common import evaluate_closure
 from groupshard.statedict import plain_optimizer_state
 
@@ -104,6 +110,39 @@ def _bucket_positions(
     return runs
 
 
+def _close(a: float, b: float) -> bool:
+    """Equal fingerprints, up to the rounding of a reduction (NaN equals NaN)."""
+    return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-12) or (math.isnan(a) and math.isnan(b))
+
+
+def _first_difference(ours: dict[str, Any], theirs: dict[str, Any], rank: int) -> str:
+    """The first entry of two group signatures that differs, as a sentence."""
+    on = f"on rank 0 but {{}} on rank {rank}"
+    for key, value in ours.items():
+        other = theirs.get(key)
+        if value == other:
+            continue
+        if not key.startswith("param_groups[") or other is None:
+            return f"{key} is {value!r} " + on.format(repr(other))
+        for j, (mine, its) in enumerate(zip(value["params"], other["params"], strict=False)):
+            if mine != its:
+                return f"{key}['params'][{j}] is {mine} " + on.format(its)
+        if len(value["params"]) != len(other["params"]):
+            counts = len(value["params"]), len(other["params"])
+            return f"{key} has {counts[0]} parameters " + on.format(counts[1])
+        mine, its = value["hyperparameters"], other["hyperparameters"]
+        name = next(k for k in sorted(set(mine) | set(its)) if mine.get(k) != its.get(k))
+        return f"{key}[{name!r}] is {mine.get(name, 'missing')} " + on.format(
+            its.get(name, "missing")
+        )
+    return "their param groups differ"
+
+
+def _flat_piece(param: torch.Tensor, offset: int, numel: int) -> torch.Tensor:
+    """Elements ``[offset, offset + numel)`` of ``param`` flattened (a view when contiguous)."""
+    return param.detach().reshape(-1)[offset : offset + numel]
+
+
 class _Bucket:
     """Consecutive parameters of one group as a flat buffer, and this rank's slice of it."""
 
@@ -127,9 +166,11 @@ class _Bucket:
         flat = flatstate.flatten([p.detach() for p in params], self.layout)
         start, end = self.layout.shard_range(ranks.rank)
         self.flat = flat if as_view else None  # 1D, padded; the parameters view it
+        self.views: list[torch.Tensor] = []
         if as_view:
+            self.views = flatstate.split(flat, self.layout)
             with torch.no_grad():
-                for param, view in zip(params, flatstate.split(flat, self.layout), strict=True):
+                for param, view in zip(params, self.views, strict=True):
                     param.data = view
             self.shard = nn.Parameter(flat[start:end])
         else:
@@ -138,10 +179,53 @@ class _Bucket:
         self.segments = ShardSegments(self.layout, ranks.rank, ranks, False, flat.device)
         setattr(self.shard, SEGMENTS_ATTR, self.segments)
 
+    def _shard_piece(self, segment: Segment) -> torch.Tensor:
+        return self.shard.detach()[segment.shard_offset : segment.shard_offset + segment.numel]
+
+    def pull_parameters(self) -> None:
+        """Start from the parameters' current values, whatever changed them since the last
+        step. Bucket views see in-place changes; a parameter whose ``.data`` was replaced
+        is copied into its view and made a view again. Otherwise this rank's slice is
+        copied from the parameters (1/N of them)."""
+        if self.flat is not None:
+            for param, view in zip(self.params, self.views, strict=True):
+                if param.data_ptr() != view.data_ptr() or param.stride() != view.stride():
+                    view.copy_(param.detach())
+                    param.data = view
+            return
+        pieces = self.segments.pieces
+        torch._foreach_copy_(
+            [self._shard_piece(s) for s in pieces],
+            [_flat_piece(self.params[s.param_index], s.param_offset, s.numel) for s in pieces],
+        )
+
+    def push_own_slice(self) -> None:
+        """Write this rank's slice into its part of the parameters (bucket views need not)."""
+        if self.flat is not None:
+            return
+        for segment in self.segments.pieces:
+            param = self.params[segment.param_index]
+            piece = self._shard_piece(segment)
+            if param.is_contiguous():
+                _flat_piece(param, segment.param_offset, segment.numel).copy_(piece)
+            else:
+                values = param.detach().reshape(-1).clone()
+                values[segment.param_offset : segment.param_offset + segment.numel] = piece
+                param.detach().copy_(values.view(param.shape))
+
+    def ranges_without_gradient(self) -> list[tuple[int, int]]:
+        """Where in this rank's slice lie parameters whose ``.grad`` is None."""
+        return [
+            (segment.shard_offset, segment.shard_offset + segment.numel)
+            for segment in self.segments.pieces
+            if self.params[segment.param_index].grad is None
+        ]
+
     def load_shard_gradient(self) -> None:
-        """This rank's slice of the parameters' gradients (missing ones count as zero),
-        copied into one buffer kept between steps (1/N of the gradient bytes; allocating
-        it afresh every step made the copy 60 % slower on CPU)."""
+        """This rank's slice of the parameters' gradients (missing ones as zero, their
+        segments are then kept unchanged across the step), copied into one buffer kept
+        between steps (1/N of the gradient bytes; allocating it afresh every step made
+        the copy 60 % slower on CPU)."""
         if all(p.grad is None for p in self.params):
             self.shard.grad = None
             return
@@ -175,11 +259,23 @@ class _Bucket:
             torch._foreach_copy_([p.data for p in self.params], flatstate.split(flat, self.layout))
 
 
-class ZeroRedundancyOptimizer(torch.optim.Optimizer):
+class _ZeroJoinHook(JoinHook):
+    """What a rank that ran out of inputs does while others step: the same ``step()``, so
+    its all-gathers match theirs (its own gradients, usually None, step its slice)."""
+
+    def __init__(self, zero: ZeroRedundancyOptimizer) -> None:
+        self.zero = zero
+
+    def main_hook(self) -> None:
+        self.zero.step()
+
+
+class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
     """Shard any torch optimizer's state across ranks, param groups included.
 
     Used as torch's ``ZeroRedundancyOptimizer``: gradients already averaged (by DDP
-    or the caller), then ``step()``.
+    or the caller), then ``step()``; a joinable of ``torch.distributed.algorithms.Join``
+    for uneven inputs (``Join([ddp_model, optimizer])``).
 
     Args:
         params: tensors, a generator of them, or param-group dicts with "params" and
@@ -188,14 +284,31 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         process_group: defaults to the default group (a single process if none).
         parameters_as_bucket_view: make the parameters views into the flat buckets,
             so the all-gather writes them in place (no copy).
+        overlap_with_ddp: only ``False`` is implemented; to overlap gradient
+            communication with the backward pass use
+            ``gs.shard(model, groups, strategy="grad_op")`` (ZeRO-2).
         max_slice_numel: most elements of a bucket's slice per rank (whole parameters
             decide; one larger parameter makes a bucket alone); ``None``: one bucket
             per group. Each bucket costs one all-gather per step.
         **defaults: the optimizer's keyword arguments.
 
+    Every rank must pass the same param groups (shapes, dtypes, hyperparameters) and
+    hold, at the first ``step()``, the same parameter values in the same order; else
+    every rank raises a ValueError naming the first difference.
+
     Note:
-        Within a bucket, a parameter without a gradient counts as a zero gradient
-        while others in its bucket have one (a bucket where none has one is skipped).
+        ``step()`` has torch.optim's semantics but for one thing. It starts from the
+        parameters' current values, passes ``closure`` to the local optimizer, and a
+        parameter whose ``.grad`` is None keeps its values and its per-element state
+        (moments, momentum buffers). Scalar state (Adam's ``step``) is one per bucket:
+        it advances whenever any parameter of the bucket has a gradient (a bucket where
+        none has one is skipped), so the bias correction of a parameter that missed
+        steps uses its bucket's count, and state dicts report that count for every
+        parameter of the bucket. Per-element state created in a step where a parameter
+        had no gradient is zero for it, as torch creates it at its first gradient (SGD's
+        first momentum buffer then includes ``1 - dampening``). A state dict whose
+        parameters of one bucket have different ``step`` counts is refused with a
+        ValueError naming them.
     """
 
     def __init__(
@@ -204,32 +317,38 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         optimizer_class: type[torch.optim.Optimizer],
         process_group: Any = None,
         parameters_as_bucket_view: bool = False,
+        overlap_with_ddp: bool = False,
         *,
         max_slice_numel: int | None = 2**21,
         **defaults: Any,
     ) -> None:
+        Joinable.__init__(self)
         self.ranks = comm.resolve_ranks(process_group)
         self.parameters_as_bucket_view = parameters_as_bucket_view
         self.optimizer_class = optimizer_class
         self.max_slice_numel = max_slice_numel
         self._buckets: list[list[_Bucket]] = []  # per group, in group order
         self._consolidated: dict[str, Any] | None = None
+        self._replicas_checked = False  # at the first step, then after add_param_group
         error: BaseException | None = None
         try:
+            if overlap_with_ddp:
+                raise NotImplementedError(
+                    "groupshard's ZeroRedundancyOptimizer does not implement "
+                    "overlap_with_ddp=True; to overlap gradient communication with the "
+                    'backward pass use gs.shard(model, groups, strategy="grad_op") with any '
+                    "torch optimizer (ZeRO-2), or pass overlap_with_ddp=False and call step() "
+                    "after backward"
+                )
             super().__init__(_check_params(params), defaults)
             self.optim = optimizer_class(
                 [self._local_group(group) for group in self.param_groups], **defaults
             )
+            self._sync(self.optim.param_groups, self.param_groups)
         except Exception as caught:  # every rank must hear of any failure
             error = caught
         comm.raise_if_any_failed(error, self.ranks)
-        shapes = [[tuple(p.shape) for p in g["params"]] for g in self.param_groups]
-        if len({repr(s) for s in comm.gather_objects(shapes, self.ranks)}) > 1:
-            raise ValueError(
-                "Ranks passed different param groups to ZeroRedundancyOptimizer (the "
-                f"parameter shapes per group differ; this rank has {shapes})"
-            )
-        self._sync(self.optim.param_groups, self.param_groups)
+        self._check_same_groups_on_every_rank()
 
     @property
     def rank(self) -> int:
@@ -271,29 +390,163 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 if key != "params":
                     target_group[key] = value
 
+    def _groups_signature(self) -> dict[str, Any]:
+        """What every rank must agree on: it decides the buckets and the training."""
+        signature: dict[str, Any] = {
+            "optimizer_class": self.optimizer_class.__qualname__,
+            "max_slice_numel": self.max_slice_numel,
+            "number of param groups": len(self.param_groups),
+        }
+        for index, group in enumerate(self.param_groups):
+            signature[f"param_groups[{index}]"] = {
+                "params": [(tuple(p.shape), str(p.dtype)) for p in group["params"]],
+                "hyperparameters": {str(k): repr(v) for k, v in group.items() if k != "params"},
+            }
+        return signature
+
+    def _check_same_groups_on_every_rank(self) -> None:
+        """Fail on every rank, naming the first difference, if ranks passed different
+        param groups (collective; at construction and in ``add_param_group`` only)."""
+        signatures = comm.gather_objects(self._groups_signature(), self.ranks)
+        ours = signatures[0]
+        for rank, theirs in enumerate(signatures):
+            if theirs != ours:
+                raise ValueError(
+                    "Ranks passed different param groups to ZeroRedundancyOptimizer: "
+                    f"{_first_difference(ours, theirs, rank)}. Every rank must pass the same "
+                    "parameters (shapes, dtypes, order) and hyperparameters."
+                )
+
+    def _check_replicas(self) -> None:
+        """Every rank must hold the same parameter values in the same order (gradients are
+        averaged, so replicas must match): fail on every rank naming the first parameter
+        that differs. One collective, at the first step (and after add_param_group)."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        fingerprints = torch.stack(
+            [torch.stack([p.detach().double().sum(), p.detach().double().norm()]) for p in params]
+        ).tolist()
+        gathered = comm.gather_objects(fingerprints, self.ranks)
+        self._replicas_checked = True
+        names = [
+            _param_name(i, j) for i, group in enumerate(self.param_groups)
+            for j in range(len(group["params"]))
+        ]  # fmt: skip
+        for rank, theirs in enumerate(gathered):
+            for name, ours, other in zip(names, gathered[0], theirs, strict=True):
+                if not all(_close(a, b) for a, b in zip(ours, other, strict=True)):
+                    raise ValueError(
+                        f"{name} has different values on rank 0 and rank {rank} at the first "
+                        "step(): every rank must hold the same parameters in the same order "
+                        "(wrap the model in DDP, or broadcast it from one rank, before stepping)"
+                    )
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group: it gets its own buckets; existing partitions and state stay as they are."""
-        super().add_param_group(param_group)
-        if hasattr(self, "optim"):  # after construction
+        """Add a group: it gets its own buckets; existing partitions and state stay as they
+        are. Collective after construction: every rank must add the same group."""
+        if not hasattr(self, "optim"):  # during construction
+            super().add_param_group(param_group)
+            return
+        groups_before = len(self.param_groups)
+        error: BaseException | None = None
+        try:
+            super().add_param_group(param_group)
             self.optim.add_param_group(self._local_group(self.param_groups[-1]))
             self._sync(self.optim.param_groups[-1:], self.param_groups[-1:])
+        except Exception as caught:  # every rank must hear of any failure
+            error = caught
+        try:
+            comm.raise_if_any_failed(error, self.ranks)
+            self._check_same_groups_on_every_rank()
+        except Exception:
+            for groups in (self.param_groups, self.optim.param_groups, self._buckets):
+                del groups[groups_before:]
+            raise
+        self._replicas_checked = False
+
+    def _keep_parameters_without_gradient(self) -> list[Callable[[], None]]:
+        """Per bucket being stepped: restore, after the step, the values and per-element
+        state of the parameters whose ``.grad`` is None (torch.optim skips them)."""
+        restores = []
+        for bucket in self._all_buckets:
+            ranges = bucket.ranges_without_gradient() if bucket.shard.grad is not None else []
+            if ranges:
+                state = self.optim.state[bucket.shard]  # the dict the optimizer fills
+                restores.append(flatstate.preserve_segments(bucket.shard, state, ranges))
+        return restores
+
+    def _local_closure(
+        self, closure: Callable[[], Any], restores: list[Callable[[], None]]
+    ) -> Callable[[], Any]:
+        """``closure`` for the local optimizer: every evaluation but the first sees this
+        rank's slices as the optimizer has changed them so far (as torch's ZeRO, whose
+        local optimizer holds the parameters themselves), and is followed by loading the
+        gradient slices; the first also decides which parameters have no gradient."""
+        buckets = self._all_buckets
+        evaluations = 0
+
+        def local_closure() -> Any:
+            nonlocal evaluations
+            if evaluations:
+                with torch.no_grad():
+                    for bucket in buckets:
+                        bucket.push_own_slice()
+            loss = evaluate_closure(closure)
+            with torch.no_grad():
+                for bucket in buckets:
+                    bucket.load_shard_gradient()
+                if not evaluations:
+                    restores.extend(self._keep_parameters_without_gradient())
+            evaluations += 1
+            return loss
+
+        return local_closure
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:
-        """Step the local optimizer on this rank's slices, then all-gather the parameters."""
-        loss = evaluate_closure(closure)
-        for bucket in self._all_buckets:
-            bucket.load_shard_gradient()
+        """Step the local optimizer on this rank's slices, then all-gather the parameters.
+
+        ``closure`` goes to the local optimizer: each evaluation (with gradients enabled)
+        is followed by loading this rank's gradient slices, and it sees this rank's part
+        of the parameters as the local optimizer has changed it so far.
+        """
+        Join.notify_join_context(self)
+        if not self._replicas_checked:
+            self._check_replicas()
+        buckets = self._all_buckets
+        for bucket in buckets:
+            bucket.pull_parameters()
         self._sync(self.param_groups, self.optim.param_groups)
-        self.optim.step(**kwargs)
+        restores: list[Callable[[], None]] = []
+        if closure is None:
+            for bucket in buckets:
+                bucket.load_shard_gradient()
+            restores = self._keep_parameters_without_gradient()
+            loss = self.optim.step(**kwargs)
+        else:
+            loss = self.optim.step(closure=self._local_closure(closure, restores), **kwargs)
+        for restore in restores:
+            restore()
         self._sync(self.optim.param_groups, self.param_groups)
-        for bucket in self._all_buckets:
+        for bucket in buckets:
             bucket.gather()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         self.optim.zero_grad(set_to_none)
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The hook with which a rank that ran out of inputs shadows ``step()``'s
+        collectives under ``torch.distributed.algorithms.Join`` (takes no kwargs)."""
+        return _ZeroJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._all_buckets[0].shard.device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.ranks.group
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the full optimizer state on group rank ``to`` (collective: call on all ranks)."""
