@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -65,6 +65,22 @@ class ShardedModule(nn.Module):
             {"params": state.shards_of_group(group.index), **group.options}
             for group in state.groups.groups
         ]
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        """Refuse ``to(dtype)``, ``half()``, ``double()``, ``type(...)``... (all go through
+        ``_apply``) before anything changes when they would convert the shards: the flat
+        storages, their gathered buffers and the optimizer's parameters would part ways."""
+        for storage in self.groupshard.storages:
+            probe = fn(storage.local.new_empty(0))
+            if probe.dtype != storage.local.dtype or probe.device != storage.local.device:
+                raise ValueError(
+                    f"This call would convert the sharded parameters of unit "
+                    f"{storage.layout.unit_name or '<root>'!r} from {storage.local.dtype} on "
+                    f"{storage.local.device} to {probe.dtype} on {probe.device}, which a model "
+                    "sharded by gs.shard does not support: convert or move the model before "
+                    "gs.shard (mixed precision is coming as gs.MixedPrecision)."
+                )
+        return super()._apply(fn, recurse)
 
     @contextmanager
     def summon_full_params(self, writeback: bool = False) -> Iterator[None]:
@@ -211,19 +227,28 @@ def _check_same_structure(signature: Any, ranks: comm.Ranks) -> None:
         if other == signatures[0]:
             continue
         ours, theirs = signatures[0], other
-        for key in ours:
-            if ours[key] != theirs[key]:
+        for key in [*ours, *(k for k in theirs if k not in ours)]:
+            if ours.get(key) != theirs.get(key):
                 raise ValueError(
                     f"Ranks disagree on how to shard the model: {key} on rank 0 is "
                     f"{ours[key]!r} but on rank {rank} is {theirs[key]!r}. Every rank must "
-                    "pass the same param groups, unit and strategy."
+                    "pass the same param groups, unit, strategy and options of gs.shard."
                 )
 
 
 def _signature(
-    groups: ResolvedGroups, storages: dict[str, list[StorageLayout]], strategy: str
+    groups: ResolvedGroups,
+    storages: dict[str, list[StorageLayout]],
+    model: nn.Module,
+    options: Mapping[str, Any],
 ) -> dict[str, Any]:
-    signature: dict[str, Any] = {"strategy": strategy, "number of param groups": len(groups.groups)}
+    """Everything that decides which collectives run, to compare between ranks."""
+    signature: dict[str, Any] = dict(options)
+    if options["sync_module_states"]:  # one broadcast per buffer
+        signature["module buffers"] = [
+            (name, tuple(b.shape), str(b.dtype)) for name, b in model.named_buffers()
+        ]
+    signature["number of param groups"] = len(groups.groups)
     for group in groups.groups:
         signature[f"param group {group.index}"] = {
             "params": group.fqns,
@@ -297,12 +322,13 @@ def shard(
     except Exception as caught:  # every rank must hear of any failure
         error = caught
     comm.raise_if_any_failed(error, ranks)
-    _check_same_structure(_signature(groups, layouts, strategy), ranks)
     runtime_options = {
         "strategy": strategy,
         "reduce_bucket_bytes": reduce_bucket_bytes,
         "prefetch_bytes": prefetch_bytes,
     }
+    options = {**runtime_options, "sync_module_states": sync_module_states}
+    _check_same_structure(_signature(groups, layouts, model, options), ranks)
     state = _build_state(
         model, groups, plan, layouts, params, ranks, runtime_options, sync_module_states
     )

@@ -14,7 +14,8 @@ Note: FSDP-style tensor vocabulary
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import weakref
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -25,6 +26,7 @@ from groupshard import comm, flatstate
 from groupshard.layout import FlatBufferLayout, Segment, StorageLayout
 
 SEGMENTS_ATTR = "groupshard_segments"
+SKIP_ATTR = "groupshard_skip"
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,32 @@ class ShardSegments:
 def segments_of(tensor: torch.Tensor) -> ShardSegments | None:
     """The segment map of a groupshard shard, or None for a plain tensor."""
     return getattr(tensor, SEGMENTS_ATTR, None)
+
+
+@dataclass(frozen=True)
+class SkippedSegments:
+    """The parameters of a shard that had no gradient, for its next optimizer step.
+
+    torch.optim leaves a parameter whose ``.grad`` is None untouched; a shard has one
+    gradient for all its parameters, so the step must be told which pieces to leave.
+    ``whole``: no parameter of the flat buffer (on any rank) had a gradient, so the
+    shard is stepped as if its gradient were None. ``ranges``: otherwise, this rank's
+    ``(start, end)`` pieces of the shard to keep. Valid while the shard's gradient is
+    the tensor ``grad`` refers to (a new gradient comes with a new record).
+    """
+
+    grad: weakref.ref[torch.Tensor]
+    whole: bool
+    ranges: tuple[tuple[int, int], ...]
+
+    def applies_to(self, shard: torch.Tensor) -> bool:
+        return shard.grad is not None and self.grad() is shard.grad
+
+
+def skipped_segments_of(tensor: torch.Tensor) -> SkippedSegments | None:
+    """What the next optimizer step must leave alone in a shard, or None."""
+    record = getattr(tensor, SKIP_ATTR, None)
+    return record if record is not None and record.applies_to(tensor) else None
 
 
 def _flatten_buffer(buffer: FlatBufferLayout, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -142,6 +170,16 @@ class FlatStorage:
         self.is_unsharded = self.replicated
         if not self.replicated:
             self.reshard()
+        # The user's original parameters (emptied), whose requires_grad still says frozen.
+        self.trainable_originals = [
+            params[slot.fqn] for b in layout.trainable_buffers for slot in b.params
+        ]
+        self.frozen_originals = {
+            slot.fqn: params[slot.fqn] for b in layout.frozen_buffers for slot in b.params
+        }
+        self.used_in_backward = [False] * len(self.trainable_originals)  # this rank, this backward
+        # per trainable shard, per parameter: had a gradient on some rank since .grad was None
+        self.had_grad = [[False] * len(b.params) for b in layout.trainable_buffers]
 
     def _fill_local(self, params: Mapping[str, torch.Tensor], sync_from_rank0: bool) -> None:
         unsharded = torch.cat([_flatten_buffer(b, params) for b in self.layout.buffers])
@@ -153,6 +191,31 @@ class FlatStorage:
             local_start, local_end = self.layout.local_range(index)
             self.local[local_start:local_end].copy_(unsharded[offset + start : offset + end])
             offset += buffer.padded_numel
+
+    def check_shards(self) -> None:
+        """Fail if a shard stopped being a view of ``local`` (e.g. ``module.half()`` on a
+        submodule converted it): the optimizer would step a tensor the model never reads."""
+        for shard in self.shards:
+            if (
+                shard.dtype != self.local.dtype
+                or shard.device != self.local.device
+                or shard.untyped_storage().data_ptr() != self.local.untyped_storage().data_ptr()
+            ):
+                raise ValueError(
+                    f"The shards of unit {self.layout.unit_name or '<root>'!r} were replaced "
+                    f"(now {shard.dtype} on {shard.device}, sharded as {self.local.dtype} on "
+                    f"{self.local.device}), e.g. by .to(), .half() or .to_empty() on a "
+                    "submodule; a model sharded by gs.shard cannot be converted: convert or "
+                    "move the model before gs.shard (mixed precision is coming as "
+                    "gs.MixedPrecision)."
+                )
+        unfrozen = [fqn for fqn, p in self.frozen_originals.items() if p.requires_grad]
+        if unfrozen:
+            raise ValueError(
+                f"Parameters {unfrozen} were frozen when the model was sharded and were given "
+                "requires_grad=True since; gs.shard cannot unfreeze a parameter yet (it has no "
+                "group and no gradient): freeze them again, or unfreeze before gs.shard."
+            )
 
     @cached_property
     def trainable_shards(self) -> list[nn.Parameter]:
@@ -206,8 +269,13 @@ class FlatStorage:
         _free(self.unsharded_frozen)
         self.is_unsharded = False
 
-    def param_views(self) -> dict[str, torch.Tensor]:
-        """The original parameters as views of the unsharded buffers, by FQN."""
+    def param_views(self, track_use: bool = False) -> dict[str, torch.Tensor]:
+        """The original parameters as views of the unsharded buffers, by FQN.
+
+        With ``track_use``, the backward that reaches any trainable view records which
+        ones it reached (``used_in_backward``): autograd passes the split's backward
+        node None for every output that got no gradient, before filling in zeros.
+        """
         views: dict[str, torch.Tensor] = {}
         for source, buffers in (
             (self.unsharded_trainable, self.layout.trainable_buffers),
@@ -216,27 +284,99 @@ class FlatStorage:
             if not buffers:
                 continue
             sizes = [size for b in buffers for size in b.split_sizes]
-            chunks = iter(torch.split(source, sizes))
+            chunks = torch.split(source, sizes)
+            position = 0
             for buffer in buffers:
                 for slot in buffer.params:
-                    views[slot.fqn] = next(chunks).view(slot.shape)
-                next(chunks)  # padding
+                    views[slot.fqn] = chunks[position].view(slot.shape)
+                    position += 1
+                position += 1  # padding
+            if track_use and source is self.unsharded_trainable and chunks[0].grad_fn is not None:
+                # one hook per storage and forward, one call per backward
+                chunks[0].grad_fn.register_prehook(self._note_used)
         return views
 
+    @cached_property
+    def _param_outputs(self) -> list[int]:
+        """Index of each trainable parameter's piece among the split's outputs."""
+        indices, position = [], 0
+        for buffer in self.layout.trainable_buffers:
+            indices.extend(range(position, position + len(buffer.params)))
+            position += len(buffer.params) + 1
+        return indices
+
+    def _note_used(self, grads: Sequence[torch.Tensor | None]) -> None:
+        used = self.used_in_backward
+        for index, output in enumerate(self._param_outputs):
+            if grads[output] is not None:
+                used[index] = True
+
+    def frozen_flags(self) -> list[bool]:
+        """Per trainable parameter: frozen since sharding (``requires_grad_(False)`` on the
+        original parameter, or on its shard, e.g. by ``module.requires_grad_(False)``)."""
+        flags = []
+        for shard, buffer in zip(self.trainable_shards, self.layout.trainable_buffers, strict=True):
+            flags.extend(not shard.requires_grad for _ in buffer.params)
+        return [
+            shard_frozen or not original.requires_grad
+            for shard_frozen, original in zip(flags, self.trainable_originals, strict=True)
+        ]
+
+    def take_used(self) -> list[bool]:
+        """This backward's used flags on this rank (frozen parameters count as unused)."""
+        used = [
+            u and not f for u, f in zip(self.used_in_backward, self.frozen_flags(), strict=True)
+        ]
+        self.used_in_backward = [False] * len(used)
+        return used
+
     def take_unsharded_grad(self) -> torch.Tensor | None:
-        """The gradient autograd accumulated into the unsharded buffer (1D, group-major)."""
+        """The gradient autograd accumulated into the unsharded buffer (1D, group-major),
+        zero where a parameter is frozen."""
         grad = self.unsharded_trainable.grad
         self.unsharded_trainable.grad = None
+        frozen = self.frozen_flags()
+        if grad is not None and any(frozen):
+            buffers = self.layout.trainable_buffers
+            pieces = [
+                piece
+                for buffer, data in zip(
+                    buffers, grad.split([b.padded_numel for b in buffers]), strict=True
+                )
+                for piece in data.split(buffer.split_sizes)[:-1]
+            ]
+            torch._foreach_zero_([p for p, f in zip(pieces, frozen, strict=True) if f])
         return grad
 
     def assign_shard_grads(self, sharded_grad: torch.Tensor) -> None:
         """Give each trainable shard its slice of ``sharded_grad`` (added if it has one)."""
         sizes = [buffer.shard_numel for buffer in self.layout.trainable_buffers]
-        for shard, piece in zip(self.trainable_shards, sharded_grad.split(sizes), strict=True):
+        pieces = sharded_grad.split(sizes)
+        for index, (shard, piece) in enumerate(zip(self.trainable_shards, pieces, strict=True)):
             if shard.grad is None:
                 shard.grad = piece
+                self.had_grad[index] = [False] * len(self.had_grad[index])  # start afresh
             else:
                 shard.grad.add_(piece)
+
+    def add_used(self, used: Sequence[bool]) -> None:
+        """Add a backward's used flags (combined over ranks) and mark, on each shard, the
+        parameters its next optimizer step must leave alone (``SkippedSegments``)."""
+        flags = iter(used)
+        for shard, had in zip(self.trainable_shards, self.had_grad, strict=True):
+            for index in range(len(had)):
+                had[index] = had[index] or next(flags)
+            record = None
+            if shard.grad is not None and not all(had):
+                pieces = segments_of(shard).pieces  # type: ignore[union-attr]
+                ranges = tuple(
+                    (piece.shard_offset, piece.shard_offset + piece.numel)
+                    for piece in pieces
+                    if not had[piece.param_index]
+                )
+                if ranges or not any(had):
+                    record = SkippedSegments(weakref.ref(shard.grad), not any(had), ranges)
+            setattr(shard, SKIP_ATTR, record)
 
     def gather_params(self) -> dict[str, torch.Tensor]:
         """Every parameter of the storage, unsharded, as new tensors (one all-gather per

@@ -6,20 +6,33 @@ Strategies:
     the root unit stays gathered from its forward into backward, which starts with it.
     ``grad_op`` (ZeRO-2): stay gathered from forward to the end of backward.
     ``no_shard``: every rank holds everything; gradients are all-reduced.
+
+Parameters without a gradient: torch.optim leaves a parameter whose ``.grad`` is None
+alone, but autograd fills zeros into a flat gradient for the parameters a backward did
+not reach. So each forward hooks the parameter views, the end of backward combines the
+ranks' "used" flags (one small all-reduce; a parameter used on any rank has a gradient,
+as in DDP), and a global optimizer-step hook keeps the other parameters' values and
+per-element state (``SkippedSegments``), for any torch optimizer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from functools import cached_property
 from typing import Any
 
 import torch
 from torch import nn
 from torch.autograd import Variable
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 from torch.utils._pytree import tree_flatten
 
-from groupshard.flat import FlatStorage, reduce_gradients, unshard_storages
+from groupshard import comm, flatstate
+from groupshard.flat import FlatStorage, reduce_gradients, skipped_segments_of, unshard_storages
 
 STRATEGIES = ("full", "grad_op", "no_shard")
 
@@ -61,10 +74,15 @@ class UnitRuntime:
         for storage in self.storages:
             storage.reshard()
 
-    def install_views(self) -> None:
-        """Point every registration of the unit's parameters at the unsharded views."""
+    def install_views(self, track_use: bool) -> None:
+        """Point every registration of the unit's parameters at the unsharded views;
+        with ``track_use``, note which of them the coming backward reaches."""
         for storage in self.storages:
-            for fqn, view in storage.param_views().items():
+            # Views made with grad enabled are never leaves, so requires_grad_(False) on
+            # one (which cannot freeze a view) raises instead of silently doing nothing.
+            with torch.enable_grad() if not torch.is_inference_mode_enabled() else nullcontext():
+                views = storage.param_views(track_use)
+            for fqn, view in views.items():
                 for module, attr in self.places[fqn]:
                     module.__dict__[attr] = view
 
@@ -105,6 +123,7 @@ class ShardedRuntime:
         return [storage for unit in self.units for storage in unit.storages]
 
     def register_hooks(self) -> None:
+        register_optimizer_hooks()
         for unit in self.units:
             module = unit.module
             self._handles.append(module.register_forward_pre_hook(self._pre_forward_hook(unit)))
@@ -121,13 +140,15 @@ class ShardedRuntime:
         def hook(module: nn.Module, args: Any) -> None:
             if self.summoned:
                 return
+            for storage in unit.storages:
+                storage.check_shards()
             if unit is self.units[0]:
                 self._start_forward()
             if unit not in self._recording:
                 self._recording.append(unit)
             if unit.needs_gather:
                 self.unshard_together(self._with_followers(unit, self._forward_order))
-            unit.install_views()
+            unit.install_views(track_use=torch.is_grad_enabled())
 
         return hook
 
@@ -237,3 +258,67 @@ class ShardedRuntime:
         for unit in self.units:
             unit.reshard()
         self._final_callback_queued = False
+        self._combine_used()
+
+    def _combine_used(self) -> None:
+        """Which parameters had a gradient in this backward on any rank: one all-reduce."""
+        storages = [s for s in self.storages if s.layout.trainable_buffers]
+        if not storages:
+            return
+        flags = [storage.take_used() for storage in storages]
+        combined = torch.tensor(
+            [f for per_storage in flags for f in per_storage],
+            dtype=torch.uint8,
+            device=storages[0].local.device,
+        )
+        comm.all_reduce_max(combined, storages[0].ranks)
+        combined = combined.cpu()
+        offset = 0
+        for storage, per_storage in zip(storages, flags, strict=True):
+            storage.add_used(combined[offset : offset + len(per_storage)].bool().tolist())
+            offset += len(per_storage)
+
+
+# Optimizer steps over shards leave the pieces of parameters without a gradient alone.
+# Keyed by id(shard): (id of the optimizer whose step holds it, function that restores it).
+# A wrapper (gs.optim.LARC) steps its inner optimizer inside its own step: the outer
+# step holds the shard, the inner one leaves it to the outer.
+_held: dict[int, tuple[int, Callable[[], None]]] = {}
+_optimizer_hooks: list[Any] = []
+
+
+def _keep_skipped_segments(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for group in optimizer.param_groups:
+        for shard in group["params"]:
+            record = skipped_segments_of(shard)
+            if record is None or id(shard) in _held:
+                continue
+            if record.whole:  # as torch.optim skips a parameter whose .grad is None
+                grad, shard.grad = shard.grad, None
+                restore = _grad_restorer(shard, grad)
+            else:
+                state = optimizer.state[shard]
+                restore = flatstate.preserve_segments(shard, state, record.ranges)
+            _held[id(shard)] = (id(optimizer), restore)
+
+
+def _grad_restorer(shard: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:
+    def restore() -> None:
+        shard.grad = grad
+
+    return restore
+
+
+def _restore_skipped_segments(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if not _held:
+        return
+    mine = [key for key, (owner, _) in _held.items() if owner == id(optimizer)]
+    for key in mine:
+        _held.pop(key)[1]()
+
+
+def register_optimizer_hooks() -> None:
+    """Install the global optimizer-step hooks once per process."""
+    if not _optimizer_hooks:
+        _optimizer_hooks.append(register_optimizer_step_pre_hook(_keep_skipped_segments))
+        _optimizer_hooks.append(register_optimizer_step_post_hook(_restore_skipped_segments))
