@@ -7,18 +7,23 @@ whose metadata comes from the layout, no communication). DCP matches saved piece
 to the pieces the loading ranks hold, so a checkpoint loads at another world size,
 with another unit choice or strategy. Names, shapes, group structure and
 hyperparameters go to a JSON file beside the tensors: loading compares it with the
-model and optimizer first, and nothing is unpickled.
+model and optimizer first. Nothing a checkpoint holds is run: DCP's pickled
+``.metadata`` is decoded by an unpickler that builds only DCP's metadata classes, and
+tensors only by ``torch.load(weights_only=True)`` (see ``reader``); a damaged, missing
+or crafted file is a :class:`CheckpointError` naming it, on every rank.
 
 Saving is atomic: everything is written to a temporary directory that replaces
-``path`` only once complete, so a crash leaves the previous checkpoint intact.
+``path`` only once complete, so a crash leaves the previous checkpoint intact; a load
+finds the newest complete checkpoint even among leftovers of interrupted saves (see
+``folders``). Optimizer state is cast to its parameter's dtype on load, as torch's
+``Optimizer.load_state_dict`` does.
 """
 
 from __future__ import annotations
 
-import json
+import math
 import os
 import shutil
-import uuid
 import warnings
 from pathlib import Path
 from typing import Any
@@ -31,16 +36,27 @@ from torch.distributed._shard.sharded_tensor.metadata import (
     ShardedTensorMetadata,
     TensorProperties,
 )
+from torch.distributed.checkpoint.metadata import Metadata
 
 from groupshard import comm, flatstate
 from groupshard.api import ShardedModule
+from groupshard.checkpoint import folders, reader
+from groupshard.checkpoint.errors import CheckpointError, UnsafeCheckpointError
+from groupshard.checkpoint.folders import FORMAT, META_FILE
 from groupshard.flat import ShardSegments, segments_of
 from groupshard.statedict import check_optimizer, plain_optimizer_state
 
-META_FILE = "groupshard.json"
-FORMAT = "groupshard-checkpoint-1"
-
-__all__ = ["load", "read_extra", "save", "to_torch_save"]
+__all__ = [
+    "FORMAT",
+    "META_FILE",
+    "CheckpointError",
+    "UnsafeCheckpointError",
+    "exists",
+    "load",
+    "read_extra",
+    "save",
+    "to_torch_save",
+]
 
 
 # --- JSON for hyperparameters and extras (no pickle) ------------------------------
@@ -72,8 +88,16 @@ def _decode(value: Any) -> Any:
         if "__dict__" in value:
             return {_decode(k): _decode(v) for k, v in value["__dict__"]}
         if "__tensor__" in value:
-            return torch.tensor(value["__tensor__"], dtype=getattr(torch, value["dtype"]))
+            return torch.tensor(value["__tensor__"], dtype=_dtype(value["dtype"]))
     return value
+
+
+def _dtype(name: Any) -> torch.dtype:
+    """The torch dtype a description names (never any other attribute of torch)."""
+    dtype = vars(torch).get(str(name).removeprefix("torch."))
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"The checkpoint's {META_FILE} names an unknown dtype {name!r}")
+    return dtype
 
 
 # --- pieces of original parameters ----------------------------------------------------
@@ -224,60 +248,73 @@ def save(
             meta["extra_tensors"][name] = {"shape": list(value.shape), "dtype": str(value.dtype)}
         else:
             meta["extra"][name] = _encode(value)
-    temporary = path.with_name(f"{path.name}.tmp-{comm.gather_objects(uuid.uuid4().hex, ranks)[0]}")
+    # the save counter orders checkpoints and leftovers of interrupted saves (see folders)
+    serial = folders.next_serial(path) if ranks.rank == 0 else 0
+    meta["serial"] = serial
+    temporary = comm.gather_objects(folders.temporary_name(path, serial), ranks)[0]
     try:
         dcp.save(entries, checkpoint_id=temporary, **_dcp_kwargs(ranks))
         if ranks.rank == 0:
-            (temporary / META_FILE).write_text(json.dumps(meta, indent=1))
+            folders.write_meta(temporary, meta)
         comm.gather_objects(None, ranks)  # every rank has finished writing
         if ranks.rank == 0:
-            _replace(temporary, path)
+            folders.replace(temporary, path, serial)
     except BaseException as error:
         if ranks.rank == 0:
             shutil.rmtree(temporary, ignore_errors=True)
         if isinstance(error, dcp.CheckpointException):  # a BaseException: make it catchable
             raise RuntimeError(
                 f"Saving the checkpoint {str(path)!r} failed on some rank; the previous "
-                f"checkpoint there (if any) is intact. {error}"
-            ) from error
+                f"checkpoint there (if any) is intact. {_first_failure(error)}"
+            ) from None
         raise
     comm.gather_objects(None, ranks)  # the checkpoint is in place before anyone goes on
 
 
-def _replace(temporary: Path, path: Path) -> None:
-    """Put the finished checkpoint at ``path``; the old one is removed only afterwards."""
-    if path.exists():
-        previous = path.with_name(f"{path.name}.old-{uuid.uuid4().hex}")
-        os.replace(path, previous)
-        os.replace(temporary, path)
-        shutil.rmtree(previous, ignore_errors=True)
-    else:
-        os.replace(temporary, path)
+def _first_failure(error: dcp.CheckpointException) -> str:
+    """The first rank's failure inside DCP's exception, in one line (not its tracebacks)."""
+    rank, wrapped = min(error.failures.items(), key=lambda item: item[0])
+    cause = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+    return f"Rank {rank}: {reader.short(cause)}"
 
 
-def _resolve(path: Path) -> Path:
-    """``path``, or the previous checkpoint if a save was cut between its two renames."""
-    if (path / META_FILE).exists():
-        return path
-    previous = sorted(path.parent.glob(f"{path.name}.old-*"))
-    if previous and (previous[-1] / META_FILE).exists():
-        return previous[-1]
-    raise FileNotFoundError(f"No groupshard checkpoint at {str(path)!r} (no {META_FILE})")
+def _load_error(error: dcp.CheckpointException, folder: Path) -> CheckpointError:
+    """One clear error for a failed DCP load: the first rank's own CheckpointError (which
+    names the file) if it raised one."""
+    for _, wrapped in sorted(error.failures.items(), key=lambda item: item[0]):
+        cause = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        if isinstance(cause, CheckpointError):
+            return type(cause)(str(cause))
+    return CheckpointError(f"Loading the checkpoint {folder} failed. {_first_failure(error)}")
 
 
-def _read_meta(path: Path) -> dict[str, Any]:
-    meta = json.loads((path / META_FILE).read_text())
-    if meta.get("format") != FORMAT:
-        raise ValueError(
-            f"{str(path)!r} is not a {FORMAT} checkpoint (format {meta.get('format')!r})"
-        )
-    return meta
+def _raise_on_every_rank(error: BaseException | None, ranks: comm.Ranks) -> None:
+    """Raise ``error`` here and a CheckpointError quoting it on the other ranks (no hang)."""
+    summaries = comm.gather_objects(None if error is None else str(error), ranks)
+    if error is not None:
+        raise error
+    for rank, summary in enumerate(summaries):
+        if summary is not None:
+            raise CheckpointError(f"Loading the checkpoint failed on rank {rank}: {summary}")
+
+
+def exists(path: str | os.PathLike) -> bool:
+    """Whether ``load`` finds a complete checkpoint at ``path`` (or, after an interrupted
+    save, among the folders it left beside ``path``)."""
+    try:
+        folders.newest(Path(path))
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def read_extra(path: str | os.PathLike) -> dict[str, Any]:
-    """The plain-value ``extra`` a checkpoint was saved with, from its metadata alone
-    (cheap: no tensors are read; tensors given as extra are left out)."""
-    meta = _read_meta(_resolve(Path(path)))
+    """The plain-value ``extra`` a checkpoint was saved with (tensors given as extra are
+    left out). Cheap: no tensors are read, but the checkpoint's files are checked (safe
+    metadata, no data file missing or short), so a damaged or crafted checkpoint raises
+    a CheckpointError here already."""
+    folder, meta = folders.newest(Path(path))
+    reader.check_files(folder, reader.read_metadata(folder))
     return {k: _decode(v) for k, v in meta["extra"].items()}
 
 
@@ -320,10 +357,24 @@ def _check_groups(model: ShardedModule, meta: dict[str, Any]) -> None:
             raise ValueError(f"Param group {index} differs: " + "; ".join(problems))
 
 
+def _state_placement(
+    key: str, saved: torch.dtype, shard: torch.Tensor, group: dict[str, Any]
+) -> tuple[torch.dtype, torch.device]:
+    """The dtype and device torch's ``Optimizer.load_state_dict`` gives a state tensor: the
+    parameter's for floating parameters, except ``step`` (kept, or float32 on the
+    parameter's device for fused and capturable optimizers)."""
+    if key == "step":
+        if group.get("fused") or group.get("capturable"):
+            return torch.float32, shard.device
+        return saved, torch.device("cpu")
+    return (shard.dtype if shard.is_floating_point() else saved), shard.device
+
+
 def _optim_destinations(
     optimizer: torch.optim.Optimizer, meta: dict[str, Any]
 ) -> tuple[dict[str, torch.Tensor], list[tuple[torch.Tensor, dict[str, Any]]]]:
-    """Tensors for DCP to fill, and per shard the state they will become."""
+    """Tensors for DCP to fill (DCP casts into their dtype), and per shard the state they
+    will become."""
     entries: dict[str, torch.Tensor] = {}
     states = []
     for group in optimizer.param_groups:
@@ -333,20 +384,45 @@ def _optim_destinations(
             described = meta["optim_state"].get(segments.fqns[0], {})
             state: dict[str, Any] = {}
             for key, kind in described.items():
+                if kind["kind"] == "value":
+                    state[key] = _decode(kind["value"])
+                    continue
+                dtype, device = _state_placement(key, _dtype(kind["dtype"]), shard, group)
                 if kind["kind"] == "per_element":
-                    state[key] = torch.zeros_like(
-                        shard, dtype=getattr(torch, kind["dtype"].removeprefix("torch."))
-                    )
+                    state[key] = torch.zeros_like(shard, dtype=dtype)
                     for fqn, piece in _pieces(state[key], segments).items():
                         entries[f"optim.{fqn}.{key}"] = piece
-                elif kind["kind"] == "tensor":
-                    dtype = getattr(torch, kind["dtype"].removeprefix("torch."))
-                    state[key] = torch.zeros(kind["shape"], dtype=dtype)
-                    entries[f"optim.{segments.fqns[0]}.{key}"] = state[key]
                 else:
-                    state[key] = _decode(kind["value"])
+                    state[key] = torch.zeros(kind["shape"], dtype=dtype, device=device)
+                    entries[f"optim.{segments.fqns[0]}.{key}"] = state[key]
             states.append((shard, state))
     return entries, states
+
+
+def _check_storage(folder: Path, entries: dict[str, Any]) -> Metadata:
+    """The checkpoint's DCP metadata, decoded safely, after checking that it holds every
+    entry about to be read with the expected size and that no data file is missing or
+    short (CheckpointError naming the file otherwise)."""
+    storage = reader.read_metadata(folder)
+    reader.check_entries(storage, entries, folder / reader.METADATA_FILE)
+    reader.check_files(folder, storage)
+    return storage
+
+
+def _read_tensors(
+    folder: Path, storage: Metadata, entries: dict[str, Any], ranks: comm.Ranks | None
+) -> None:
+    """Fill ``entries`` through the safe reader (one process if ``ranks`` is None); a
+    failure on any rank is one CheckpointError on every rank."""
+    kwargs = {"no_dist": True} if ranks is None else _dcp_kwargs(ranks)
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            # "torch.distributed is disabled, assuming the intent is to load in a single
+            # process": yes
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(entries, storage_reader=reader.SafeFileSystemReader(folder, storage), **kwargs)
+    except dcp.CheckpointException as failure:  # a BaseException with every rank's traceback
+        raise _load_error(failure, folder) from None
 
 
 def load(
@@ -356,29 +432,37 @@ def load(
 ) -> dict[str, Any]:
     """Load a checkpoint written by ``save`` (at any world size) into ``model`` and ``optimizer``.
 
-    Collective. Checks names, shapes and group structure first and raises a
-    ValueError listing what differs. Returns the ``extra`` given to ``save``.
+    Collective. Loads the newest complete checkpoint at ``path`` (or left beside it by
+    an interrupted save). Checks names, shapes and group structure first and raises a
+    ValueError listing what differs; a missing, damaged or crafted file raises a
+    :class:`CheckpointError` (a ValueError) naming it, on every rank, and nothing in the
+    checkpoint is run. Optimizer state takes its parameter's dtype, as with
+    ``Optimizer.load_state_dict``. Returns the ``extra`` given to ``save``.
     """
     if not isinstance(model, ShardedModule):
         raise TypeError(f"load expects a model returned by gs.shard, got {type(model).__name__}")
     ranks = model.groupshard.ranks
-    path = _resolve(Path(path))
-    meta = _read_meta(path)
-    _check_model(model, meta)
-    entries = _model_entries(model)
-    states: list[tuple[torch.Tensor, dict[str, Any]]] = []
-    if optimizer is not None:
-        check_optimizer(model, optimizer)
-        _check_groups(model, meta)
-        optim_entries, states = _optim_destinations(optimizer, meta)
-        entries.update(optim_entries)
-    extra_tensors = {
-        name: torch.empty(spec["shape"], dtype=getattr(torch, spec["dtype"].removeprefix("torch.")))
-        for name, spec in meta["extra_tensors"].items()
-    }
-    entries.update({f"extra.{name}": t for name, t in extra_tensors.items()})
-    with torch.no_grad():
-        dcp.load(entries, checkpoint_id=path, **_dcp_kwargs(ranks))
+    error = None
+    try:
+        folder, meta = folders.newest(Path(path))
+        _check_model(model, meta)
+        entries = _model_entries(model)
+        states: list[tuple[torch.Tensor, dict[str, Any]]] = []
+        if optimizer is not None:
+            check_optimizer(model, optimizer)
+            _check_groups(model, meta)
+            optim_entries, states = _optim_destinations(optimizer, meta)
+            entries.update(optim_entries)
+        extra_tensors = {
+            name: torch.empty(spec["shape"], dtype=_dtype(spec["dtype"]))
+            for name, spec in meta["extra_tensors"].items()
+        }
+        entries.update({f"extra.{name}": t for name, t in extra_tensors.items()})
+        storage = _check_storage(folder, entries)
+    except Exception as caught:  # every rank raises, none waits in DCP's collectives
+        error = caught
+    _raise_on_every_rank(error, ranks)
+    _read_tensors(folder, storage, entries, ranks)
     if optimizer is not None:
         for group, saved in zip(optimizer.param_groups, meta["groups"], strict=True):
             group.update(_decode(saved["hyperparameters"]))
@@ -389,24 +473,37 @@ def load(
     return {**{k: _decode(v) for k, v in meta["extra"].items()}, **extra_tensors}
 
 
+def _offline_entries(meta: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """A whole tensor for every entry the description lists, as saved."""
+    entries = {
+        f"model.{fqn}": torch.empty(math.prod(spec["shape"]), dtype=_dtype(spec["dtype"]))
+        for fqn, spec in meta["params"].items()
+    }
+    for prefix, specs in (("buffers", meta["buffers"]), ("extra", meta["extra_tensors"])):
+        for name, spec in specs.items():
+            entries[f"{prefix}.{name}"] = torch.empty(spec["shape"], dtype=_dtype(spec["dtype"]))
+    for fqn, described in meta.get("optim_state", {}).items():
+        for key, kind in described.items():
+            if kind["kind"] == "per_element":
+                numel = math.prod(meta["params"][fqn]["shape"])
+                entries[f"optim.{fqn}.{key}"] = torch.empty(numel, dtype=_dtype(kind["dtype"]))
+            elif kind["kind"] == "tensor":
+                shape, dtype = kind["shape"], _dtype(kind["dtype"])
+                entries[f"optim.{fqn}.{key}"] = torch.empty(shape, dtype=dtype)
+    return entries
+
+
 def to_torch_save(path: str | os.PathLike, output: str | os.PathLike) -> None:
     """Convert a checkpoint offline (one process) into one plain ``torch.save`` file.
 
     The file holds ``{"model": state dict of the unsharded model, "optim": plain
     torch.optim state dict (if saved), "extra": ...}`` and loads with
-    ``torch.load(output, weights_only=True)``.
+    ``torch.load(output, weights_only=True)``. Reads the checkpoint as safely as
+    ``load`` does, with the same errors.
     """
-    path = _resolve(Path(path))
-    meta = _read_meta(path)
-    storage = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    tensors = {
-        name: torch.empty(md.size, dtype=md.properties.dtype)
-        for name, md in storage.items()
-        if hasattr(md, "size")
-    }
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(tensors, checkpoint_id=path, no_dist=True)
+    folder, meta = folders.newest(Path(path))
+    tensors = _offline_entries(meta)
+    _read_tensors(folder, _check_storage(folder, tensors), tensors, None)
     model_state = {}
     for fqn, spec in meta["params"].items():
         value = tensors[f"model.{fqn}"].view(spec["shape"])

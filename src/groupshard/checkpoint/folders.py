@@ -1,0 +1,120 @@
+"""Where a checkpoint lives on disk: its description file, atomic replacement, leftovers.
+
+A save writes ``<path>.tmp-<serial>-<id>`` and then swaps it in for ``path`` (moving the
+previous checkpoint to ``<path>.old-<serial>-<id>`` and deleting it afterwards). A
+crash can leave such folders behind; a checkpoint is complete when its description
+file (``groupshard.json``, written last and atomically) is there. The description
+records a save counter, ``serial``, so the newest complete checkpoint is found by
+content, never by the order of random folder names; a finished save removes the
+leftovers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+from groupshard.checkpoint.errors import CheckpointError
+
+META_FILE = "groupshard.json"
+FORMAT = "groupshard-checkpoint-1"
+_TEMPORARY, _PREVIOUS = ".tmp-", ".old-"
+# What every description holds (the loader relies on them); "serial" is absent in older ones.
+_REQUIRED = {"params": dict, "buffers": dict, "extra": dict, "extra_tensors": dict}
+
+
+def read_meta(directory: Path) -> dict[str, Any]:
+    """The description of the checkpoint in ``directory``; CheckpointError if unreadable."""
+    file = directory / META_FILE
+    try:
+        meta = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"The checkpoint file {file} is missing") from None
+    except (OSError, ValueError) as error:  # JSONDecodeError and UnicodeDecodeError included
+        raise CheckpointError(f"The checkpoint file {file} is damaged ({error})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else None
+        raise CheckpointError(f"{file} does not describe a {FORMAT} checkpoint (format {found!r})")
+    for key, kind in _REQUIRED.items():
+        if not isinstance(meta.get(key), kind):
+            raise CheckpointError(f"The checkpoint file {file} is damaged (no valid {key!r})")
+    serial = meta.setdefault("serial", 0)
+    if not isinstance(serial, int) or isinstance(serial, bool):
+        raise CheckpointError(f"The checkpoint file {file} is damaged (no valid 'serial')")
+    return meta
+
+
+def write_meta(directory: Path, meta: dict[str, Any]) -> None:
+    """Write the description last and atomically: once it is there, the checkpoint is complete."""
+    partial = directory / f"{META_FILE}.partial"
+    with open(partial, "w", encoding="utf-8") as stream:
+        json.dump(meta, stream, indent=1)
+        stream.flush()
+        os.fsync(stream.fileno())
+    os.replace(partial, directory / META_FILE)
+
+
+def _leftovers(path: Path) -> list[Path]:
+    prefixes = (f"{path.name}{_TEMPORARY}", f"{path.name}{_PREVIOUS}")
+    try:
+        names = os.listdir(path.parent)
+    except FileNotFoundError:
+        return []
+    return sorted(path.parent / name for name in names if name.startswith(prefixes))
+
+
+def _complete(path: Path) -> list[tuple[tuple[int, bool, str], Path, dict[str, Any] | None]]:
+    """Each folder at ``path`` or left by an interrupted save there that has a description,
+    with its sort key (newest last) and description (None if unreadable)."""
+    found = []
+    for folder in [path, *_leftovers(path)]:
+        if not (folder / META_FILE).is_file():
+            continue
+        try:
+            meta: dict[str, Any] | None = read_meta(folder)
+        except CheckpointError:
+            meta = None
+        serial = -1 if meta is None else meta["serial"]
+        found.append(((serial, folder == path, folder.name), folder, meta))
+    return found
+
+
+def newest(path: Path) -> tuple[Path, dict[str, Any]]:
+    """The newest complete checkpoint saved at ``path`` (it may be a leftover of a save that
+    was interrupted after writing it), and its description.
+
+    FileNotFoundError if there is none; CheckpointError if ``path``'s description is damaged.
+    """
+    found = _complete(path)
+    if any(folder == path and meta is None for _, folder, meta in found):
+        read_meta(path)  # raises, naming the damage
+    readable = [(key, folder, meta) for key, folder, meta in found if meta is not None]
+    if not readable:
+        raise FileNotFoundError(f"No groupshard checkpoint at {str(path)!r} (no {META_FILE})")
+    _, folder, meta = max(readable, key=lambda entry: entry[0])
+    assert meta is not None
+    return folder, meta
+
+
+def next_serial(path: Path) -> int:
+    """The save counter for the next checkpoint at ``path``: after every complete one."""
+    return 1 + max([0, *(key[0] for key, _, _ in _complete(path))])
+
+
+def temporary_name(path: Path, serial: int) -> Path:
+    return path.with_name(f"{path.name}{_TEMPORARY}{serial:06d}-{uuid.uuid4().hex[:8]}")
+
+
+def replace(temporary: Path, path: Path, serial: int) -> None:
+    """Put the finished checkpoint at ``path``, then delete the previous one and every
+    leftover of interrupted saves (all older than it)."""
+    if path.exists():
+        previous = path.with_name(f"{path.name}{_PREVIOUS}{serial:06d}-{uuid.uuid4().hex[:8]}")
+        os.replace(path, previous)
+    os.replace(temporary, path)
+    for leftover in _leftovers(path):
+        shutil.rmtree(leftover, ignore_errors=True)

@@ -1,0 +1,312 @@
+"""Reading DCP checkpoint files without running anything they hold.
+
+torch's ``FileSystemReader`` unpickles the ``.metadata`` file with plain ``pickle``, so a
+crafted file runs code on every rank that loads it. Here the metadata goes through an
+unpickler that builds only DCP's metadata classes (listed in ``_ALLOWED``), is checked
+for the structure groupshard writes (tensors only, data files inside the checkpoint's
+folder, pieces that cover each tensor exactly once), and tensor data is decoded only by
+``torch.load(..., weights_only=True)``, whatever torch's own reader does in this
+version. Every failure is a :class:`CheckpointError` naming the file.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import pickle
+from collections.abc import Mapping
+from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import IO, Any, NoReturn
+
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.futures import Future
+
+from groupshard.checkpoint.errors import CheckpointError, UnsafeCheckpointError
+
+METADATA_FILE = ".metadata"  # the name torch's FileSystemWriter gives it
+
+# Everything a DCP metadata pickle of a tensor-only checkpoint refers to (torch 2.4 to 2.13),
+# besides torch's dtypes. All are plain records or value lookups: building them runs nothing.
+_ALLOWED = {
+    "torch.distributed.checkpoint.metadata": (
+        "Metadata",
+        "TensorStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    ),
+    "torch.distributed.checkpoint.filesystem": ("_StorageInfo",),
+    "torch.serialization": ("_get_layout",),
+    "torch": ("Size",),
+}
+# StorageMeta.checkpoint_id is the path the checkpoint was saved to: rebuilt as a pure path.
+_PATHS = {"PosixPath": PurePosixPath, "PurePosixPath": PurePosixPath}
+_PATHS |= {"WindowsPath": PureWindowsPath, "PureWindowsPath": PureWindowsPath}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds only the classes of ``_ALLOWED``, torch dtypes and pure paths."""
+
+    def __init__(self, stream: IO[bytes], file: Path) -> None:
+        super().__init__(stream)
+        self._file = file
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _ALLOWED.get(module, ()):
+            return getattr(importlib.import_module(module), name)
+        if module == "torch" and isinstance(vars(torch).get(name), torch.dtype):
+            return vars(torch)[name]
+        if module in ("pathlib", "pathlib._local") and name in _PATHS:
+            return _PATHS[name]
+        raise UnsafeCheckpointError(
+            f"The checkpoint file {self._file} refers to {module}.{name}, which DCP metadata "
+            "never holds: it was crafted or damaged, and is refused (nothing in it was run)"
+        )
+
+
+def short(error: BaseException) -> str:
+    """An error in one line: its type and first line (DCP's and torch's run to kilobytes)."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+def read_metadata(directory: Path) -> Metadata:
+    """The DCP metadata of the checkpoint in ``directory``, decoded safely and checked."""
+    file = directory / METADATA_FILE
+    try:
+        with open(file, "rb") as stream:
+            metadata = _MetadataUnpickler(stream, file).load()
+    except CheckpointError:
+        raise
+    except FileNotFoundError:
+        raise CheckpointError(f"The checkpoint file {file} is missing") from None
+    except Exception as error:  # a damaged pickle fails in many ways; all mean the same
+        raise CheckpointError(f"The checkpoint file {file} is damaged ({short(error)})") from None
+    _check_metadata(metadata, file)
+    return metadata
+
+
+def _check_metadata(metadata: Any, file: Path) -> None:
+    def fail(what: str) -> NoReturn:
+        raise CheckpointError(f"The checkpoint file {file} is not what groupshard writes: {what}")
+
+    if not isinstance(metadata, Metadata):
+        fail(f"it holds a {type(metadata).__name__}, not DCP metadata")
+    storage = metadata.storage_data
+    if not isinstance(metadata.state_dict_metadata, dict) or not isinstance(storage, dict):
+        fail("its entries or their storage are not dicts")
+    for index, info in storage.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
+            fail("its storage table holds other objects than DCP's")
+        name = info.relative_path
+        if not isinstance(name, str) or name in ("", ".", "..") or any(c in name for c in "/\\\0"):
+            fail(f"data file {name!r} is not a file of the checkpoint's folder")
+        if not (_is_count(info.offset) and _is_count(info.length)):
+            fail(f"entry {index.fqn!r} has an invalid byte range")
+        if getattr(info, "transform_descriptors", None):
+            fail(f"entry {index.fqn!r} is stored through stream transforms")
+    for name, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, TensorStorageMetadata):
+            fail(f"entry {name!r} is a {type(entry).__name__}; groupshard writes only tensors")
+        problem = _chunk_problem(name, entry, storage)
+        if problem:
+            fail(f"entry {name!r} {problem}")
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _chunk_problem(name: str, entry: TensorStorageMetadata, storage: dict) -> str | None:
+    """Why the saved pieces of a tensor do not tile it exactly once (None if they do)."""
+    size = entry.size
+    properties = entry.properties
+    if not isinstance(size, torch.Size) or not isinstance(properties, TensorProperties):
+        return "has no valid size"
+    if not isinstance(properties.dtype, torch.dtype):
+        return "has no valid dtype"
+    chunks = entry.chunks
+    if not isinstance(chunks, list) or not chunks:
+        return "has no pieces"
+    for position, chunk in enumerate(chunks):
+        if not (
+            isinstance(chunk, ChunkStorageMetadata)
+            and isinstance(chunk.offsets, torch.Size)
+            and isinstance(chunk.sizes, torch.Size)
+            and len(chunk.offsets) == len(chunk.sizes) == len(size)
+        ):
+            return "has a malformed piece"
+        if any(
+            o < 0 or n < 0 or o + n > s
+            for o, n, s in zip(chunk.offsets, chunk.sizes, size, strict=True)
+        ):
+            return f"has a piece outside its size {list(size)}"
+        if MetadataIndex(name, chunk.offsets, position) not in storage:
+            return "has a piece with no data"
+    if len(size) == 1:  # sharded parameters and their state: pieces end to end
+        end = 0
+        for chunk in sorted(chunks, key=lambda c: c.offsets[0]):
+            if chunk.offsets[0] != end:
+                return "has pieces that overlap or leave a gap"
+            end += chunk.sizes[0]
+        return None if end == size[0] else "has pieces that do not reach its end"
+    if len(chunks) != 1 or chunks[0].sizes != size:  # other tensors are saved whole
+        return "is saved in pieces that do not cover it once"
+    return None
+
+
+def check_files(directory: Path, metadata: Metadata) -> None:
+    """Raise a CheckpointError naming the first data file that is missing or too short."""
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name in sorted(needed):
+        file = directory / name
+        try:
+            size = file.stat().st_size
+        except FileNotFoundError:
+            raise CheckpointError(f"The checkpoint file {file} is missing") from None
+        except OSError as error:
+            raise CheckpointError(f"Cannot read the checkpoint file {file}: {error}") from None
+        if size < needed[name]:
+            state = "empty" if size == 0 else f"truncated ({size} of {needed[name]} bytes)"
+            raise CheckpointError(
+                f"The checkpoint file {file} is {state}: the save or copy that wrote it "
+                "did not finish"
+            )
+
+
+def check_entries(metadata: Metadata, wanted: Mapping[str, Any], file: Path) -> None:
+    """Every tensor about to be read is in ``metadata`` with the size the loader expects."""
+    problems = []
+    for name, tensor in wanted.items():
+        entry = metadata.state_dict_metadata.get(name)
+        if entry is None:
+            problems.append(f"{name!r} is missing")
+        elif entry.size != tensor.size():
+            problems.append(f"{name!r} has size {list(entry.size)}, not {list(tensor.size())}")
+    if problems:
+        raise CheckpointError(
+            f"The checkpoint file {file} disagrees with the checkpoint's description "
+            f"({len(problems)} entries): " + "; ".join(problems[:8])
+        )
+
+
+def _refusal(error: BaseException) -> str:
+    """What torch's weights-only unpickler refused, in one line (else the error's first)."""
+    text = str(error)
+    marker = "WeightsUnpickler error:"
+    if marker in text:
+        lines = [line.strip() for line in text.split(marker, 1)[1].splitlines() if line.strip()]
+        if lines:
+            return lines[0].split(". ", 1)[0][:300]
+    return short(error)
+
+
+def _decode_tensor(data: bytes, file: Path, name: str) -> torch.Tensor:
+    try:
+        value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as error:
+        refusal = _refusal(error)
+        if "Unsupported global" in refusal:  # a pickle that would call something: crafted
+            raise UnsafeCheckpointError(
+                f"The checkpoint file {file} holds, for entry {name!r}, a pickle that is not a "
+                f"plain tensor; refused, nothing in it was run ({refusal})"
+            ) from None
+        raise CheckpointError(
+            f"The checkpoint file {file} is damaged at entry {name!r} ({refusal})"
+        ) from None
+    if not isinstance(value, torch.Tensor):
+        raise UnsafeCheckpointError(
+            f"The checkpoint file {file} holds a {type(value).__name__} for entry {name!r}, "
+            "not a tensor"
+        )
+    return value
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's file-system reader, with metadata decoded by :func:`read_metadata` beforehand
+    and tensor data only by ``torch.load(..., weights_only=True)``; anything else is refused.
+    """
+
+    def __init__(self, directory: Path, metadata: Metadata) -> None:
+        super().__init__(directory)
+        self._directory = Path(directory)
+        self._metadata = metadata
+        self._piece_sizes = {
+            (name, tuple(chunk.offsets)): chunk.sizes
+            for name, entry in metadata.state_dict_metadata.items()
+            for chunk in entry.chunks
+        }
+
+    # No **kwargs: DCP then never falls back to the (pickled) rank-local __{rank}.metadata.
+    def read_metadata(self) -> Metadata:  # type: ignore[override]
+        return self._metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        storage = self._metadata.storage_data
+        per_file: dict[str, list[Any]] = {}
+        for item in plan.items:
+            if item.type != LoadItemType.TENSOR:
+                raise UnsafeCheckpointError(
+                    f"The checkpoint in {self._directory} asks to unpickle a non-tensor entry "
+                    f"{item.dest_index.fqn!r}; groupshard writes only tensors, so it is refused"
+                )
+            per_file.setdefault(storage[item.storage_index].relative_path, []).append(item)
+        for name, items in per_file.items():
+            file = self._directory / name
+            try:
+                stream = open(file, "rb")  # noqa: SIM115 - closed by the with below
+            except OSError as error:
+                raise CheckpointError(f"Cannot read the checkpoint file {file}: {error}") from None
+            with stream:
+                for item in sorted(items, key=lambda i: storage[i.storage_index].offset):
+                    self._read_item(stream, file, storage[item.storage_index], item, planner)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _read_item(
+        self, stream: IO[bytes], file: Path, info: Any, item: Any, planner: LoadPlanner
+    ) -> None:
+        name = item.storage_index.fqn
+        stream.seek(info.offset)
+        data = stream.read(info.length)
+        if len(data) != info.length:
+            raise CheckpointError(f"The checkpoint file {file} is truncated (entry {name!r})")
+        saved = _decode_tensor(data, file, name)
+        expected = self._piece_sizes[(name, tuple(item.storage_index.offset))]
+        if saved.size() != expected:
+            raise CheckpointError(
+                f"The checkpoint file {file} holds a tensor of size {list(saved.size())} for "
+                f"entry {name!r}, not {list(expected)}"
+            )
+        try:
+            piece = narrow_tensor_by_index(saved, item.storage_offsets, item.lengths)
+        except Exception as error:
+            raise CheckpointError(
+                f"The checkpoint file {file} holds a tensor of the wrong shape for entry "
+                f"{name!r} ({short(error)})"
+            ) from None
+        target = planner.resolve_tensor(item).detach()
+        if target.size() != piece.size():
+            raise CheckpointError(
+                f"The checkpoint file {file} holds {list(piece.size())} elements for entry "
+                f"{name!r} where {list(target.size())} were expected"
+            )
+        target.copy_(piece)
+        planner.commit_tensor(item, target)
