@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +20,8 @@ import groupshard as gs
 
 TIMEOUT = 300
 TINY = ["--model", "tiny", "--batch-size", "4"]
+STEPS = ["--steps", "60", "--eval-every", "20"]
+PROGRESS = re.compile(r"\s*\d+%\|")  # a line of tqdm's progress bar
 
 
 def groupshard(*args, check=True):
@@ -28,9 +34,60 @@ def groupshard(*args, check=True):
     return result
 
 
-def _losses(out):
+def _rows(out):
     with open(os.path.join(out, "log.jsonl")) as log:
-        return [json.loads(line)["loss"] for line in log]
+        return [json.loads(line) for line in log]
+
+
+def _losses(out):
+    return [row["loss"] for row in _rows(out)]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """A finished 60-step run of the tiny model, the reference for resumed runs."""
+    out = str(tmp_path_factory.mktemp("cli") / "whole")
+    groupshard("train", *TINY, *STEPS, "--out", out)
+    return out
+
+
+def _start(*args):
+    return subprocess.Popen(
+        [sys.executable, "-m", "groupshard", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+
+
+def _wait_for_rows(process, out, count):
+    """Until ``out``'s log has ``count`` rows (or ``process`` ended)."""
+    log, deadline = os.path.join(out, "log.jsonl"), time.time() + TIMEOUT
+    while time.time() < deadline and process.poll() is None:
+        if os.path.exists(log) and len(_losses(out)) >= count:
+            return
+        time.sleep(0.05)
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+    raise AssertionError(f"no {count} rows in {log}: {process.communicate()[1][-3000:]}")
+
+
+def _workers(launcher):
+    """The pids of the launcher's worker processes (its multiprocessing spawn children)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if parent == launcher.pid and b"spawn_main" in (proc / "cmdline").read_bytes():
+                pids.append(int(proc.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return sorted(pids)
+
+
+def _alive(pid):
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def test_train_end_to_end(tmp_path):
@@ -73,25 +130,17 @@ def _model_tensors(checkpoint, output):
     return torch.load(output, weights_only=True)["model"]
 
 
-def test_interrupt_then_resume_equals_uninterrupted(tmp_path):
-    whole, parts = str(tmp_path / "whole"), str(tmp_path / "parts")
-    steps = ["--steps", "60", "--eval-every", "20"]
-    groupshard("train", *TINY, *steps, "--out", whole)
-    process = subprocess.Popen(
-        [sys.executable, "-m", "groupshard", "train", *TINY, *steps, "--out", parts],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
-    log = os.path.join(parts, "log.jsonl")
-    deadline = time.time() + TIMEOUT
-    while time.time() < deadline and not (os.path.exists(log) and len(_losses(parts)) >= 3):
-        time.sleep(0.05)
+def test_interrupt_then_resume_equals_uninterrupted(tmp_path, uninterrupted):
+    whole, parts = uninterrupted, str(tmp_path / "parts")
+    process = _start("train", *TINY, *STEPS, "--out", parts)
+    _wait_for_rows(process, parts, 3)
     os.killpg(process.pid, signal.SIGINT)  # Ctrl-C in a terminal reaches the whole group
     _, stderr = process.communicate(timeout=TIMEOUT)
     assert process.returncode == 130, stderr[-3000:]
     assert f"continue with --resume --out {parts}" in stderr
     stopped_at = len(_losses(parts))
     assert 3 <= stopped_at < 60
-    groupshard("train", *TINY, *steps, "--out", parts, "--resume")
+    groupshard("train", *TINY, *STEPS, "--out", parts, "--resume")
     assert len(_losses(parts)) == 60
     expected = _model_tensors(os.path.join(whole, "checkpoint"), str(tmp_path / "whole.pt"))
     resumed = _model_tensors(os.path.join(parts, "checkpoint"), str(tmp_path / "parts.pt"))
@@ -100,11 +149,10 @@ def test_interrupt_then_resume_equals_uninterrupted(tmp_path):
         assert torch.equal(expected[name], resumed[name]), name
 
 
-def test_bad_inputs_give_one_line_errors(tmp_path):
+def test_bad_inputs_give_one_line_errors(tmp_path, uninterrupted):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    run = str(tmp_path / "run")
-    groupshard("train", *TINY, "--steps", "2", "--out", run)
+    run = uninterrupted
     cases = {
         "no such file or folder": ["--data", str(tmp_path / "missing")],
         "the data is empty": ["--data", str(empty)],
@@ -119,6 +167,7 @@ def test_bad_inputs_give_one_line_errors(tmp_path):
         ],
         "already holds a run; pass --resume": ["--out", run],
         "--steps must be at least 1": ["--steps", "0"],
+        "--timeout must be a positive number of seconds, got 0.0": ["--timeout", "0"],
     }
     for expected, args in cases.items():
         options = args if "--model" in args else [*TINY, *args]
@@ -126,3 +175,82 @@ def test_bad_inputs_give_one_line_errors(tmp_path):
         assert result.returncode == 2, (args, result.stderr)
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and expected in lines[0], (args, result.stderr)
+
+
+def _lines(stderr):
+    """The lines of ``stderr`` but the progress bar's (text mode reads its \\r as a newline)."""
+    return [line for line in stderr.strip().splitlines() if not PROGRESS.match(line)]
+
+
+def test_nonfinite_loss_stops_at_once_and_keeps_the_last_good_checkpoint(tmp_path):
+    out = str(tmp_path / "run")
+    result = groupshard(
+        "train", *TINY, "--optimizer", "sgd", "--lr", "1e6", "--clip", "0", "--steps", "12",
+        "--ckpt-every", "1", "--eval-every", "50", "--out", out, check=False,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-3000:]
+    rows = _rows(out)
+    failed, kept = rows[-1]["step"], rows[-1]["step"] - 1
+    assert not math.isfinite(rows[-1]["loss"]) and all(math.isfinite(r["loss"]) for r in rows[:-1])
+    assert [r["step"] for r in rows] == list(range(1, failed + 1)) and failed < 12
+    assert _lines(result.stderr)[-1] == (
+        f"groupshard train: error: loss is {rows[-1]['loss']} at step {failed} "
+        f"(lr {rows[-1]['lr']:g}); the last good checkpoint (step {kept}) is kept in "
+        f"{out}/checkpoint"
+    )
+    assert gs.checkpoint.read_extra(os.path.join(out, "checkpoint"))["step"] == kept
+    saved = _model_tensors(os.path.join(out, "checkpoint"), str(tmp_path / "saved.pt"))
+    assert all(torch.isfinite(tensor).all() for tensor in saved.values())
+
+
+def test_corrupt_checkpoint_on_resume_names_file_and_cause(tmp_path, uninterrupted):
+    out = str(tmp_path / "run")
+    shutil.copytree(uninterrupted, out)
+    damaged = sorted(Path(out, "checkpoint").glob("*.distcp"))[0]
+    damaged.write_bytes(bytes(damaged.stat().st_size))  # same size, no longer a checkpoint
+    result = groupshard("train", *TINY, "--steps", "61", "--out", out, "--resume", check=False)
+    assert result.returncode != 0
+    assert len(_lines(result.stderr)) < 15, result.stderr[-3000:]
+    last = _lines(result.stderr)[-1]
+    assert last.startswith("groupshard train: error:") and str(damaged) in last, last
+    assert "Error" in last and "To enable traceback" not in last, last
+    assert os.path.exists(os.path.join(out, "launcher.log"))
+
+
+def test_killed_worker_fails_the_run_and_resume_logs_each_step_once(tmp_path, uninterrupted):
+    out = str(tmp_path / "run")
+    process = _start("train", *TINY, *STEPS, "--ckpt-every", "10", "--out", out)
+    _wait_for_rows(process, out, 13)  # the checkpoint of step 10 is complete
+    os.kill(_workers(process)[-1], signal.SIGKILL)
+    killed = time.time()
+    _, stderr = process.communicate(timeout=TIMEOUT)
+    assert time.time() - killed < 30, stderr[-3000:]
+    assert process.returncode == 1, stderr[-3000:]
+    assert len(_lines(stderr)) < 5, stderr[-3000:]
+    last = _lines(stderr)[-1]
+    assert "error: worker" in last and "Signal 9 (SIGKILL)" in last, last
+    assert f"{out}/launcher.log" in last
+    assert len(_rows(out)) > 10  # rows past the checkpoint, which the resumed run logs again
+    groupshard("train", *TINY, *STEPS, "--ckpt-every", "10", "--out", out, "--resume")
+    resumed, expected = _rows(out), _rows(uninterrupted)
+    for row in resumed + expected:
+        del row["tokens_per_s"]
+    assert resumed == expected
+
+
+def test_hung_worker_fails_the_run_after_timeout(tmp_path):
+    out, timeout = str(tmp_path / "run"), 10
+    process = _start("train", *TINY, "--steps", "1000", "--timeout", str(timeout), "--out", out)
+    _wait_for_rows(process, out, 3)
+    stopped, *others = _workers(process)[::-1]
+    os.kill(stopped, signal.SIGSTOP)  # alive, but it never answers the other rank
+    hung = time.time()
+    while any(_alive(pid) for pid in others) and time.time() < hung + TIMEOUT:
+        time.sleep(0.1)
+    waited = time.time() - hung
+    os.kill(stopped, signal.SIGCONT)  # lets it take the launcher's SIGTERM
+    _, stderr = process.communicate(timeout=TIMEOUT)
+    assert timeout / 2 < waited < timeout + 15, (waited, stderr[-3000:])  # not at once
+    assert process.returncode == 1, stderr[-3000:]
+    last = _lines(stderr)[-1]
+    assert "error: worker" in last and "timed out" in last.lower(), last

@@ -331,3 +331,27 @@ def test_a_view_cannot_be_frozen_silently():
         sharded(inputs)
     with pytest.raises(RuntimeError, match="leaf variables"):
         sharded.blocks[0].fc.weight.requires_grad_(False)
+
+
+def test_a_step_that_raises_leaves_no_hold_behind():
+    """What a step that raised was holding is settled before the next step of the same
+    optimizer: a parameter that has a gradient by then moves."""
+    torch.manual_seed(0)
+    model = gs.shard(BranchNet(), None)
+    optimizer = torch.optim.SGD(model.optimizer_groups(), lr=0.1, momentum=0.9)
+
+    def fail(optimizer, args, kwargs):
+        raise RuntimeError("boom")
+
+    handle = optimizer.register_step_pre_hook(fail)
+    model(torch.randn(4, 6), (False, False)).backward()
+    with pytest.raises(RuntimeError, match="boom"):
+        optimizer.step()
+    handle.remove()
+    optimizer.zero_grad()
+    model(torch.randn(4, 6), (True, True)).backward()
+    before = {k: v.clone() for k, v in gs.full_state_dict(model).items()}
+    optimizer.step()
+    after = gs.full_state_dict(model)
+    for name in ("blocks.0.branch.weight", "blocks.1.branch.weight", "head.weight"):
+        assert not torch.equal(before[name], after[name]), name

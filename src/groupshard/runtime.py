@@ -288,6 +288,8 @@ _optimizer_hooks: list[Any] = []
 
 
 def _keep_skipped_segments(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    # A step of this optimizer that raised left its holds behind: settle them first.
+    _restore_skipped_segments(optimizer, args, kwargs)
     for group in optimizer.param_groups:
         for shard in group["params"]:
             record = skipped_segments_of(shard)

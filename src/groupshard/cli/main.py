@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import math
 import os
 import sys
+import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,8 +25,17 @@ from groupshard.cli.train import (
     PRESETS,
     ZERO_CHECKPOINT,
     TrainConfig,
+    describe,
     worker,
 )
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+LAUNCHER_LOG = "launcher.log"  # in --out: the launcher's and the workers' logs
+# seconds: far above what a healthy rank waits for another here (a step, a checkpoint), far
+# below torch's defaults (30 min on gloo, 10 on NCCL) that would leave a hung run silent
+DEFAULT_TIMEOUT = 300.0
 
 
 class CommandError(Exception):
@@ -60,6 +74,11 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--ckpt-every", type=int, default=0, help="also save every N steps")
     train.add_argument("--eval-every", type=int, default=0, help="validation every N steps")
     train.add_argument("--clip", type=float, default=1.0, help="gradient norm clip (0: off)")
+    train.add_argument(
+        "--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
+        help="fail a collective that waits longer than this for another rank "
+        "(a hung or stopped rank; default %(default)g)",
+    )  # fmt: skip
     return parser
 
 
@@ -78,6 +97,8 @@ def _check(args: argparse.Namespace) -> TrainConfig:
             )
     if not args.lr > 0:
         raise CommandError(f"--lr must be positive, got {args.lr}")
+    if not (args.timeout > 0 and math.isfinite(args.timeout)):
+        raise CommandError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     if "WORLD_SIZE" not in os.environ and args.nproc > _max_processes():
         raise CommandError(
             f"--nproc {args.nproc} is more than this machine can run sensibly ({_max_processes()}: "
@@ -96,6 +117,7 @@ def _check(args: argparse.Namespace) -> TrainConfig:
         lr=args.lr, weight_decay=args.weight_decay, strategy=args.strategy,
         optimizer=args.optimizer, zero=args.zero, seed=args.seed, out=out, resume=args.resume,
         ckpt_every=args.ckpt_every, eval_every=args.eval_every, clip=args.clip,
+        timeout=args.timeout,
     )  # fmt: skip
     checkpoint = Path(out) / CHECKPOINT
     if args.resume:
@@ -112,12 +134,17 @@ def _check(args: argparse.Namespace) -> TrainConfig:
 def _check_resumable(checkpoint: Path, config: TrainConfig) -> None:
     """The checkpoint exists and was written for the same model and optimizer."""
     zero_file = checkpoint / ZERO_CHECKPOINT
-    if (checkpoint / gs_checkpoint.META_FILE).exists():
-        saved = gs_checkpoint.read_extra(checkpoint)["config"]
-    elif zero_file.exists():
-        saved = torch.load(zero_file, weights_only=True)["extra"]["config"]
-    else:
+    sharded = gs_checkpoint.exists(checkpoint)  # also one an interrupted save left beside it
+    if not sharded and not zero_file.exists():
         raise CommandError(f"--resume: no checkpoint in {checkpoint.parent}")
+    try:
+        if sharded:
+            saved = gs_checkpoint.read_extra(checkpoint)["config"]
+        else:
+            saved = torch.load(zero_file, weights_only=True)["extra"]["config"]
+    except Exception as error:
+        source = checkpoint if sharded else zero_file
+        raise CommandError(f"--resume: cannot read {source}: {describe(error)}") from None
     for key, value in config.identity().items():
         if saved.get(key) != value:
             raise CommandError(
@@ -127,37 +154,84 @@ def _check_resumable(checkpoint: Path, config: TrainConfig) -> None:
 
 
 def _launch(config: TrainConfig, nproc: int) -> int:
-    """Start ``nproc`` workers through torch's elastic launcher (as torchrun does)."""
+    """Start ``nproc`` workers through torch's elastic launcher (as torchrun does).
+
+    The launcher's and the workers' logs go to ``--out``'s launcher.log; the terminal keeps
+    the progress bar, the summary and, last, one line on the outcome.
+    """
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
-    launch = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
-        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, start_method="spawn",
-        monitor_interval=0.2,
-    )  # fmt: skip
+    log_file = Path(config.out) / LAUNCHER_LOG
+    with _log_to(log_file), tempfile.TemporaryDirectory(prefix="groupshard-") as error_files:
+        launch = LaunchConfig(
+            min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
+            rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+            start_method="spawn", monitor_interval=0.2,
+            logs_specs=DefaultLogsSpecs(log_dir=error_files),  # each worker's error.json
+        )  # fmt: skip
+        try:
+            summaries = elastic_launch(launch, worker)(config, str(log_file))
+        except SignalException:
+            print(f"interrupted; checkpoint in {config.out}/{CHECKPOINT}; continue with --resume "
+                  f"--out {config.out}", file=sys.stderr)  # fmt: skip
+            return 130
+        except ChildFailedError as error:
+            rank, cause = _blame(error)
+            _error(f"worker {rank} failed: {cause} (logs in {log_file})")
+            return 1
+    return _outcome(summaries[0])
+
+
+def _blame(error: ChildFailedError) -> tuple[int, str]:
+    """The failed worker to blame, and why: the earliest one whose error file recorded an
+    exception, else the earliest to fail (killed by a signal, or exited)."""
+    rank, failure = min(
+        error.failures.items(),
+        key=lambda item: (not isinstance(item[1].message, dict), item[1].timestamp, item[0]),
+    )
+    message = failure.message
+    if isinstance(message, dict):  # the error file of torch.distributed.elastic's @record
+        message = message.get("message", "")
+    return rank, " ".join(str(message).split()) or f"exit code {failure.exitcode}"
+
+
+def _outcome(summary: dict[str, Any], show: bool = True) -> int:
+    """The exit status of a run whose workers returned ``summary``; prints a diverged run's
+    error (if ``show``)."""
+    if summary["status"] != "diverged":
+        return 0
+    if show:
+        _error(summary["error"])
+    return 1
+
+
+def _error(message: str) -> None:
+    print(f"groupshard train: error: {message}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _log_to(log_file: Path) -> Iterator[None]:
+    """Send torch's launcher logging to ``log_file`` instead of the terminal."""
+    handler = logging.FileHandler(log_file)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    names = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+    loggers = [logging.getLogger(name) for name in names]
+    saved = [(logger.propagate, logger.level) for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(handler)
+        logger.propagate = False
+        logger.setLevel(logging.INFO)
     try:
-        elastic_launch(launch, worker)(config)
-    except SignalException:
-        print(f"interrupted; checkpoint in {config.out}/{CHECKPOINT}; continue with --resume "
-              f"--out {config.out}", file=sys.stderr)  # fmt: skip
-        return 130
-    except ChildFailedError as error:
-        rank, failure = next(iter(sorted(error.failures.items())))
-        message = _last_line(failure.message) if isinstance(failure.message, str) else ""
-        print(
-            f"error: worker {rank} failed: {message or f'exit code {failure.exitcode}'}",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
-
-
-def _last_line(message: str) -> str:
-    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
-    return lines[-1] if lines else ""
+        yield
+    finally:
+        for logger, (propagate, level) in zip(loggers, saved, strict=True):
+            logger.removeHandler(handler)
+            logger.propagate = propagate
+            logger.setLevel(level)
+        handler.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,8 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     Path(config.out).mkdir(parents=True, exist_ok=True)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: one worker
-        worker(config)
-        return 0
+        return _outcome(worker(config), show=os.environ["RANK"] == "0")
     print(
         f"training {config.model} on {args.nproc} processes, outputs in {config.out}/", flush=True
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,33 @@ def write_csv(out: Path, rows: list[dict[str, Any]]) -> None:
     columns = sorted({key for row in rows for key in row}, key=lambda k: (k != "step", k))
     lines = [",".join(columns)]
     lines += [",".join("" if row.get(c) is None else str(row[c]) for c in columns) for row in rows]
-    (out / "log.csv").write_text("\n".join(lines) + "\n")
+    _write_atomically(out / "log.csv", "\n".join(lines) + "\n")
+
+
+def keep_rows_up_to(out: Path, step: int) -> None:
+    """Drop the log rows after ``step``: a run resumed from the checkpoint of ``step`` logs
+    them again. A row cut short by a kill can only follow the checkpoint's row."""
+    log = out / "log.jsonl"
+    if not log.exists():
+        return
+    kept = []
+    for line in log.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] > step:
+                break
+        except json.JSONDecodeError:
+            break
+        kept.append(line + "\n")
+    _write_atomically(log, "".join(kept))
+    if (out / "log.csv").exists():
+        write_csv(out, read_log(out))
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Readers see the old file or the new one, never a part (a kill can come any time)."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
 
 
 def plot(out: Path, rows: list[dict[str, Any]]) -> Path:

@@ -8,18 +8,23 @@ import math
 import os
 import resource
 import signal
+import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import groupshard as gs
 from groupshard import comm
 from groupshard.cli import data as corpus
+from groupshard.cli import report
 from groupshard.model import GPT, Block, GPTConfig
 
 PRESETS = {
@@ -51,6 +56,7 @@ class TrainConfig:
     ckpt_every: int
     eval_every: int
     clip: float
+    timeout: float  # seconds a collective may wait for the other ranks
 
     def identity(self) -> dict[str, Any]:
         """What a checkpoint must share with the run that resumes it."""
@@ -162,7 +168,19 @@ class Run:
         comm.all_reduce_mean(mean, self.ranks)
         return mean.item()
 
-    def save(self, step: int) -> None:
+    def parameters_finite(self) -> bool:
+        """Whether every rank's optimizer parameters are all finite (one all-reduce)."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        nonfinite = torch.stack([~torch.isfinite(p.detach()).all() for p in params]).any()
+        flag = nonfinite.to(torch.float32).reshape(1)
+        comm.all_reduce_max(flag, self.ranks)
+        return not flag.item()
+
+    def save(self, step: int) -> bool:
+        """Save a checkpoint of ``step``, unless a parameter is not finite: then the last
+        checkpoint stays and this returns False (on every rank)."""
+        if not self.parameters_finite():
+            return False
         extra = {"step": step, "config": self.config.identity()}
         path = Path(self.config.out) / CHECKPOINT
         if self.sharded is not None:
@@ -177,17 +195,53 @@ class Run:
                 torch.save(state, temporary)
                 os.replace(temporary, path / ZERO_CHECKPOINT)
             comm.gather_objects(None, self.ranks)
+        return True
 
     def load(self) -> int:
+        """Load ``--out``'s checkpoint; return its step. A failure names the checkpoint."""
         path = Path(self.config.out) / CHECKPOINT
-        if self.sharded is not None:
-            extra = gs.checkpoint.load(path, self.sharded, self.optimizer)
-        else:
-            state = torch.load(path / ZERO_CHECKPOINT, weights_only=True, map_location=self.device)
-            self.model.module.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optim"])
-            extra = state["extra"]
+        try:
+            if self.sharded is not None:
+                extra = gs.checkpoint.load(path, self.sharded, self.optimizer)
+            else:
+                state = torch.load(
+                    path / ZERO_CHECKPOINT, weights_only=True, map_location=self.device
+                )
+                self.model.module.load_state_dict(state["model"])
+                self.optimizer.load_state_dict(state["optim"])
+                extra = state["extra"]
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as error:  # DCP's CheckpointException is not an Exception
+            cause = root_cause(error)
+            if isinstance(cause, Exception) and str(path) in str(cause):
+                raise cause from error
+            raise RuntimeError(f"cannot resume from {path}: {describe(cause)}") from error
         return int(extra["step"])
+
+
+def root_cause(error: BaseException) -> BaseException:
+    """The exception behind ``error``: DCP's CheckpointException carries each failed rank's."""
+    if isinstance(error, CheckpointException) and error.failures:
+        failure = error.failures[min(error.failures)]
+        return root_cause(failure[0] if isinstance(failure, tuple) else failure)
+    return error
+
+
+def describe(error: BaseException) -> str:
+    """``Type: message``, or ``Type`` alone when the message is empty (as for EOFError)."""
+    message = str(error)
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__
+
+
+def nonfinite(loss: float, grad_norms: dict[str, float]) -> str | None:
+    """What is not finite among a step's loss and group gradient norms (None if all are)."""
+    if not math.isfinite(loss):
+        return f"loss is {loss}"
+    for group, norm in grad_norms.items():
+        if not math.isfinite(norm):
+            return f"the gradient norm of group {group} is {norm}"
+    return None
 
 
 def _log(out: Path, row: dict[str, Any]) -> None:
@@ -195,8 +249,45 @@ def _log(out: Path, row: dict[str, Any]) -> None:
         handle.write(json.dumps(row) + "\n")
 
 
-def train(config: TrainConfig) -> dict[str, Any]:
-    """The training loop of one rank; the process group is initialised."""
+def _step(
+    run: Run, step: int, tokens_per_step: int, eval_every: int
+) -> tuple[dict[str, Any], str | None]:
+    """Train one step; return its log row and what was not finite (then nothing was updated),
+    the same on every rank."""
+    config, tick = run.config, time.perf_counter()
+    for group in run.optimizer.param_groups:
+        group["lr"] = group["base_lr"] * lr_factor(step, config.steps)
+    loss = run.model(*run.batch(run.train_data, step))
+    loss.backward()
+    grad_norms = dict(zip(run.group_names, run.group_grad_norms(), strict=True))
+    mean_loss = loss.detach().clone()
+    comm.all_reduce_mean(mean_loss, run.ranks)  # not finite on all ranks if on any
+    problem = nonfinite(mean_loss.item(), grad_norms)
+    if problem is None:
+        run.clip()
+        run.optimizer.step()
+    run.optimizer.zero_grad()
+    row = {
+        "step": step + 1,
+        "loss": mean_loss.item(),
+        "lr": run.optimizer.param_groups[0]["lr"],
+        "tokens_per_s": tokens_per_step / (time.perf_counter() - tick),
+    }
+    row.update({f"grad_norm/{name}": norm for name, norm in grad_norms.items()})
+    if problem is None and ((step + 1) % eval_every == 0 or step + 1 == config.steps):
+        row["val_loss"] = run.validation_loss()
+        if not math.isfinite(row["val_loss"]):  # after this step's update: not to be saved
+            problem = f"validation loss is {row['val_loss']}"
+    return row, problem
+
+
+def train(config: TrainConfig, progress_file: TextIO | None = None) -> dict[str, Any]:
+    """The training loop of one rank; the process group is initialised.
+
+    Stops on every rank at the first step whose loss, gradient norm or validation loss is not
+    finite, and saves no checkpoint whose parameters are not: the summary's status is then
+    "diverged" and its "error" says why and which checkpoint is kept.
+    """
     ranks = comm.resolve_ranks()
     device = (
         torch.device("cuda", torch.cuda.current_device())
@@ -206,48 +297,40 @@ def train(config: TrainConfig) -> dict[str, Any]:
     run = Run(config, ranks, device)
     out = Path(config.out)
     start = run.load() if config.resume else 0
+    if config.resume and ranks.rank == 0:
+        report.keep_rows_up_to(out, start)  # rows past the checkpoint are logged again
     stop = StopFlag()
     tokens_per_step = config.batch_size * run.model_config.block_size * ranks.size
-    progress = _progress(config.steps, start, enabled=ranks.rank == 0)
     eval_every = config.eval_every or max(1, config.steps // 5)
-    step, status = start, "finished"
+    step, status, failure = start, "finished", None
+    last_saved = start if config.resume else None
     started = time.perf_counter()
-    for step in range(start, config.steps):
-        tick = time.perf_counter()
-        for group in run.optimizer.param_groups:
-            group["lr"] = group["base_lr"] * lr_factor(step, config.steps)
-        loss = run.model(*run.batch(run.train_data, step))
-        loss.backward()
-        grad_norms = run.group_grad_norms()
-        run.clip()
-        run.optimizer.step()
-        run.optimizer.zero_grad()
-        mean_loss = loss.detach().clone()
-        comm.all_reduce_mean(mean_loss, ranks)
-        row = {
-            "step": step + 1,
-            "loss": mean_loss.item(),
-            "lr": run.optimizer.param_groups[0]["lr"],
-            "tokens_per_s": tokens_per_step / (time.perf_counter() - tick),
-        }
-        row.update({f"grad_norm/{n}": v for n, v in zip(run.group_names, grad_norms, strict=True)})
-        if (step + 1) % eval_every == 0 or step + 1 == config.steps:
-            row["val_loss"] = run.validation_loss()
-        if ranks.rank == 0:
-            _log(out, row)
-            progress.update(1)
-            progress.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
-        if config.ckpt_every and (step + 1) % config.ckpt_every == 0:
-            run.save(step + 1)
-        flag = torch.tensor(float(stop.requested))
-        comm.all_reduce_max(flag, ranks)
-        if flag.item():
-            step, status = step + 1, "interrupted"
-            break
-    else:
-        step = config.steps
-    progress.close()
-    run.save(step)
+    with _progress(config.steps, start, enabled=ranks.rank == 0, file=progress_file) as progress:
+        for step in range(start, config.steps):
+            row, problem = _step(run, step, tokens_per_step, eval_every)
+            if ranks.rank == 0:
+                _log(out, row)
+                progress.update(1)
+                progress.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
+            if problem is not None:
+                failure = f"{problem} at step {step + 1} (lr {row['lr']:g})"
+            elif config.ckpt_every and (step + 1) % config.ckpt_every == 0:
+                if run.save(step + 1):
+                    last_saved = step + 1
+                else:
+                    failure = f"a parameter is not finite after step {step + 1}"
+            if failure is not None:
+                step, status = step + 1, "diverged"
+                break
+            flag = torch.tensor(float(stop.requested))
+            comm.all_reduce_max(flag, ranks)
+            if flag.item():
+                step, status = step + 1, "interrupted"
+                break
+        else:
+            step = config.steps
+    if failure is None and not run.save(step):
+        failure, status = f"a parameter is not finite after step {step}", "diverged"
     elapsed = time.perf_counter() - started
     peak_rss = comm.gather_objects(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, ranks)
     summary = {
@@ -257,31 +340,64 @@ def train(config: TrainConfig) -> dict[str, Any]:
         "parameters_total": run.total_params, "parameters_per_rank": run.local_params,
         "config": asdict(config),
     }  # fmt: skip
+    if failure is not None:
+        kept = (
+            "no checkpoint was saved"
+            if last_saved is None
+            else f"the last good checkpoint (step {last_saved}) is kept in {out / CHECKPOINT}"
+        )
+        summary["error"] = f"{failure}; {kept}"
     if ranks.rank == 0:
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 
 
-def _progress(total: int, initial: int, enabled: bool) -> Any:
+def _progress(total: int, initial: int, enabled: bool, file: TextIO | None) -> Any:
     from tqdm import tqdm
 
-    return tqdm(total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True)
+    tqdm.set_lock(threading.RLock())  # a process lock would be reported leaked after a kill
+    return tqdm(
+        total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True,
+        file=file,
+    )  # fmt: skip
 
 
-def worker(config: TrainConfig) -> None:
-    """Entry point of a launched worker: join the group (env://), train, leave."""
+@record  # under torchrun, the launcher's error file then carries the real exception
+def worker(config: TrainConfig, log_file: str | None = None) -> dict[str, Any]:
+    """Entry point of a launched worker: join the group (env://), train, leave.
+
+    Returns the run's summary. With ``log_file`` (given by ``groupshard train``'s own launcher)
+    this process's stderr goes to that file, all but the progress bar.
+    """
+    progress_file = _stderr_to(log_file) if log_file is not None else None
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(
-        "nccl" if torch.cuda.is_available() else "gloo", timeout=datetime.timedelta(seconds=120)
+        "nccl" if torch.cuda.is_available() else "gloo",
+        timeout=datetime.timedelta(seconds=config.timeout),
     )
     try:
-        summary = train(config)
+        summary = train(config, progress_file)
         if dist.get_rank() == 0:
-            from groupshard.cli.report import finish
-
-            finish(Path(config.out), summary)
+            report.finish(Path(config.out), summary)
+        return summary
+    except (Exception, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as error:  # torch's error file records only Exceptions: not DCP's
+        cause = root_cause(error)
+        raise (cause if isinstance(cause, Exception) else RuntimeError(describe(cause))) from error
     finally:
         dist.destroy_process_group()
+
+
+def _stderr_to(log_file: str) -> TextIO:
+    """Send this process's stderr (warnings, tracebacks, C++ logs) to the end of ``log_file``;
+    return a stream on the former stderr (the terminal), for the progress bar."""
+    sys.stderr.flush()
+    terminal = os.fdopen(os.dup(2), "w", buffering=1)
+    log = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 2)
+    os.close(log)
+    return terminal
