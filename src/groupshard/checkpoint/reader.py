@@ -36,7 +36,7 @@ from groupshard.checkpoint.errors import CheckpointError, UnsafeCheckpointError
 
 METADATA_FILE = ".metadata"  # the name torch's FileSystemWriter gives it
 
-# Everything a DCP metadata pickle of a tensor-only checkpoint refers to (torch 2.4 to 2.13),
+# Everything a DCP metadata pickle of a tensor-only checkpoint refers to (torch 2.7 to 2.15),
 # besides torch's dtypes. All are plain records or value lookups: building them runs nothing.
 _ALLOWED = {
     "torch.distributed.checkpoint.metadata": (
