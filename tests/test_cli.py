@@ -34,9 +34,13 @@ def groupshard(*args, check=True):
     return result
 
 
+def _not_standard_json(constant):
+    raise ValueError(f"{constant} is not standard JSON")
+
+
 def _rows(out):
     with open(os.path.join(out, "log.jsonl")) as log:
-        return [json.loads(line) for line in log]
+        return [json.loads(line, parse_constant=_not_standard_json) for line in log]
 
 
 def _losses(out):
@@ -114,6 +118,11 @@ def test_train_end_to_end(tmp_path):
     with open(os.path.join(out, "summary.json")) as handle:
         summary = json.load(handle)
     assert summary["parameters_per_rank"] * 2 <= summary["parameters_total"] + 2 * 1024
+    printed = result.stdout.splitlines()  # the per-group table, and the sample
+    for group in summary["groups"]:
+        row = next(line.split() for line in printed if line.startswith(group["group"] + " "))
+        assert row[1:3] == [str(group["tensors"]), f"{group['elements']:,}"], row
+    assert "    " + summary["sample"]["text"].splitlines()[0] in printed
 
 
 @pytest.mark.parametrize(
@@ -189,12 +198,16 @@ def test_nonfinite_loss_stops_at_once_and_keeps_the_last_good_checkpoint(tmp_pat
         "--ckpt-every", "1", "--eval-every", "50", "--out", out, check=False,
     )  # fmt: skip
     assert result.returncode == 1, result.stderr[-3000:]
-    rows = _rows(out)
+    rows = _rows(out)  # standard JSON: the non-finite loss is written as null
     failed, kept = rows[-1]["step"], rows[-1]["step"] - 1
-    assert not math.isfinite(rows[-1]["loss"]) and all(math.isfinite(r["loss"]) for r in rows[:-1])
+    assert rows[-1]["loss"] is None and all(math.isfinite(r["loss"]) for r in rows[:-1])
     assert [r["step"] for r in rows] == list(range(1, failed + 1)) and failed < 12
+    loss = re.search(r"error: loss is (\S+) at step", _lines(result.stderr)[-1]).group(1)
+    assert not math.isfinite(float(loss))
+    with open(os.path.join(out, "summary.json")) as handle:
+        json.loads(handle.read(), parse_constant=_not_standard_json)
     assert _lines(result.stderr)[-1] == (
-        f"groupshard train: error: loss is {rows[-1]['loss']} at step {failed} "
+        f"groupshard train: error: loss is {loss} at step {failed} "
         f"(lr {rows[-1]['lr']:g}); the last good checkpoint (step {kept}) is kept in "
         f"{out}/checkpoint"
     )
@@ -254,3 +267,158 @@ def test_hung_worker_fails_the_run_after_timeout(tmp_path):
     assert process.returncode == 1, stderr[-3000:]
     last = _lines(stderr)[-1]
     assert "error: worker" in last and "timed out" in last.lower(), last
+
+
+def test_help_and_argument_errors_answer_without_importing_torch():
+    cases = {
+        "(default: 1500)": ["--help"],
+        "argument --lr: must be a finite number, got 'inf'": ["--lr", "inf"],
+        "argument --lr: must be a finite number, got 'nan'": ["--lr", "nan"],
+        "argument --clip: must be a finite number, got '-inf'": ["--clip=-inf"],
+        "argument --timeout: expected a number, got 'soon'": ["--timeout", "soon"],
+        "--weight-decay must be 0 or more, got -0.1": ["--weight-decay=-0.1"],
+        "--steps must be at least 1": ["--steps", "0"],
+    }
+    for expected, args in cases.items():
+        started = time.perf_counter()
+        result = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "groupshard", "train", *args],
+            capture_output=True, text=True, timeout=TIMEOUT,
+        )  # fmt: skip
+        elapsed = time.perf_counter() - started
+        imports = [line for line in result.stderr.splitlines() if line.startswith("import time:")]
+        modules = {line.rsplit("|", 1)[1].strip() for line in imports}
+        assert "groupshard.cli.main" in modules and "torch" not in modules, args
+        assert elapsed < 3, (args, elapsed)  # importing torch alone takes seconds
+        if args == ["--help"]:
+            assert result.returncode == 0 and expected in result.stdout, result.stdout
+            continue
+        errors = [line for line in result.stderr.splitlines() if line not in imports]
+        assert result.returncode == 2, (args, result.stderr[-3000:])
+        assert len(errors) == 1 and expected in errors[0], (args, errors)
+
+
+def test_help_shows_every_default():
+    from groupshard.cli import MODEL_SIZES
+    from groupshard.cli.train import PRESETS
+
+    assert set(MODEL_SIZES) == set(PRESETS)  # the parser's choices, named without torch
+    text = groupshard("train", "--help").stdout
+    options = re.split(r"\n  (?=--)", text.split("options:", 1)[1])[1:]
+    without = {"--help", "--zero", "--resume", "--out"}  # flags, and --out's is a time
+    assert {option.split()[0] for option in options} >= {"--steps", "--lr", "--timeout"}
+    for option in options:
+        if option.split()[0] not in without:
+            assert re.search(r"default:? ", " ".join(option.split())), option
+
+
+def test_ctrl_c_exits_in_seconds_with_one_line_naming_the_saved_checkpoint(tmp_path):
+    out = str(tmp_path / "run")
+    process = _start("train", *TINY, "--steps", "1000", "--out", out)
+    _wait_for_rows(process, out, 3)
+    os.killpg(process.pid, signal.SIGINT)
+    interrupted = time.time()
+    _, stderr = process.communicate(timeout=TIMEOUT)
+    assert time.time() - interrupted < 15, stderr[-3000:]  # torch's launcher waited 30 s
+    assert process.returncode == 130, stderr[-3000:]
+    saved = gs.checkpoint.read_extra(os.path.join(out, "checkpoint"))["step"]
+    assert saved == len(_rows(out)) >= 3
+    assert _lines(stderr) == [
+        f"groupshard train: interrupted at step {saved}; checkpoint in {out}/checkpoint; "
+        f"continue with --resume --out {out}"
+    ]
+
+
+def test_ctrl_c_during_start_up_claims_no_checkpoint_and_resume_says_so(tmp_path):
+    out = str(tmp_path / "run")
+    process = _start("train", *TINY, "--out", out)
+    deadline = time.time() + TIMEOUT
+    while len(_workers(process)) < 2 and time.time() < deadline:  # the workers import torch
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGINT)
+    interrupted = time.time()
+    _, stderr = process.communicate(timeout=TIMEOUT)
+    assert time.time() - interrupted < 30, stderr[-3000:]
+    assert process.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    assert _lines(stderr) == [
+        "groupshard train: interrupted; no checkpoint was saved, so there is nothing to resume"
+    ]
+    assert not os.path.exists(os.path.join(out, "checkpoint"))
+    result = groupshard("train", *TINY, "--out", out, "--resume", check=False)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines() == [
+        f"groupshard train: error: --resume: no checkpoint in {out}, so nothing to resume (the "
+        "run stopped before saving one); start it again without --resume"
+    ]
+
+
+def test_bad_out_folders_give_one_line_errors_before_any_worker_starts(tmp_path, uninterrupted):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    cases = {
+        f"--out {a_file} is a file, not a folder": ["--out", str(a_file)],
+        f"--out {a_file}/run is under {a_file}, a file, not a folder": ["--out", f"{a_file}/run"],
+        f"--resume: the run in {uninterrupted} is at step 60 already; pass a --steps above 60": [
+            "--out", uninterrupted, "--resume", "--steps", "60",
+        ],
+    }  # fmt: skip
+    try:  # root may write almost anywhere, but not into sysfs
+        os.mkdir("/sys/groupshard-probe")
+        os.rmdir("/sys/groupshard-probe")
+    except OSError:
+        cases["--out /sys/groupshard/run is not writable (/sys: Permission denied)"] = [
+            "--out", "/sys/groupshard/run",
+        ]  # fmt: skip
+    for expected, args in cases.items():
+        result = groupshard("train", *TINY, *args, check=False)
+        assert result.returncode == 2, (args, result.stderr[-3000:])
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and expected in lines[0], (args, result.stderr[-3000:])
+    assert not os.path.exists(f"{a_file}/run")
+
+
+def test_resume_with_more_steps_continues_the_lr_schedule_then_holds_its_last_lr(
+    tmp_path, uninterrupted
+):
+    out = str(tmp_path / "run")
+    shutil.copytree(uninterrupted, out)
+    groupshard("train", *TINY, *STEPS, "--out", out, "--resume", "--steps", "120")
+    rows = _rows(out)
+    assert [row["step"] for row in rows] == list(range(1, 121))
+    lrs = [row["lr"] for row in rows]
+    assert lrs[:60] == [row["lr"] for row in _rows(uninterrupted)]
+    with open(os.path.join(uninterrupted, "summary.json")) as handle:
+        final = json.load(handle)["config"]["lr"] * 0.1  # the cosine's end: a tenth of --lr
+    assert lrs[59] == pytest.approx(final, rel=0.01)  # step 60: the end of the first schedule
+    assert lrs[60:] == pytest.approx([final] * 60, rel=1e-9)  # no jump, held
+
+
+def test_summary_has_baselines_groups_and_a_sample_from_the_validation_text(uninterrupted):
+    from groupshard.cli import data as corpus
+    from groupshard.cli.train import PRESETS
+    from groupshard.model import GPT
+
+    with open(os.path.join(uninterrupted, "summary.json")) as handle:
+        summary = json.load(handle)
+    rows = _rows(uninterrupted)
+    train, validation = corpus.split(corpus.load_corpus(None))
+    assert summary["baselines"] == pytest.approx(
+        {"uniform": math.log(256), "bigram": corpus.bigram_loss(train, validation)}
+    )
+    assert summary["val_loss"] == [r["val_loss"] for r in rows if "val_loss" in r][-1]
+    assert [g["group"] for g in summary["groups"]] == ["decay", "no_decay"]
+    assert sum(g["elements"] for g in summary["groups"]) == summary["parameters_total"]
+    tensors = len(list(GPT(PRESETS["tiny"]).parameters()))  # the tied embedding once
+    assert sum(g["tensors"] for g in summary["groups"]) == tensors
+    assert [g["weight_decay"] for g in summary["groups"]] == [0.1, 0.0]
+    for group in summary["groups"]:
+        assert group["lr"] == rows[-1][f"lr/{group['group']}"] == rows[-1]["lr"]
+        assert group["grad_norm"] == rows[-1][f"grad_norm/{group['group']}"]
+        assert group["weight_norm"] > 0
+    text = Path(uninterrupted, "sample.txt").read_bytes()
+    written = summary["sample"]
+    assert text.decode() == written["text"]
+    assert len(text) >= written["prompt_bytes"] + written["new_bytes"]  # U+FFFD is 3 bytes
+    prompt = text[: written["prompt_bytes"]]
+    assert prompt.startswith(b"def ") and prompt in bytes(validation.tolist())

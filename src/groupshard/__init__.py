@@ -1,22 +1,67 @@
-"""groupshard: sharded data parallelism with optimizer parameter groups as first class."""
+"""groupshard: sharded data parallelism with optimizer parameter groups as first class.
 
-from groupshard import checkpoint, optim
-from groupshard.api import ShardedModule, shard, shard_optimizer
-from groupshard.groups import decay_groups, groups_by
-from groupshard.norms import (
-    clip_grad_norm_,
-    clip_grad_norm_per_group_,
-    grad_norms,
-    norm_report,
-    param_norms,
-)
-from groupshard.statedict import (
-    full_state_dict,
-    load_full_state_dict,
-    load_optim_state_dict,
-    optim_state_dict,
-)
-from groupshard.zero import ZeroRedundancyOptimizer
+The public names are imported on first use (PEP 562), so that ``groupshard --help`` and
+argument errors answer without importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from groupshard import checkpoint, optim
+    from groupshard.api import ShardedModule, shard, shard_optimizer
+    from groupshard.groups import decay_groups, groups_by
+    from groupshard.norms import (
+        clip_grad_norm_,
+        clip_grad_norm_per_group_,
+        grad_norms,
+        norm_report,
+        param_norms,
+    )
+    from groupshard.statedict import (
+        full_state_dict,
+        load_full_state_dict,
+        load_optim_state_dict,
+        optim_state_dict,
+    )
+    from groupshard.zero import ZeroRedundancyOptimizer
+
+_SUBPACKAGES = ("checkpoint", "optim")
+_HOMES = {
+    "ShardedModule": "api",
+    "shard": "api",
+    "shard_optimizer": "api",
+    "decay_groups": "groups",
+    "groups_by": "groups",
+    "clip_grad_norm_": "norms",
+    "clip_grad_norm_per_group_": "norms",
+    "grad_norms": "norms",
+    "norm_report": "norms",
+    "param_norms": "norms",
+    "full_state_dict": "statedict",
+    "load_full_state_dict": "statedict",
+    "load_optim_state_dict": "statedict",
+    "optim_state_dict": "statedict",
+    "ZeroRedundancyOptimizer": "zero",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBPACKAGES:
+        value = importlib.import_module(f"{__name__}.{name}")
+    elif name in _HOMES:
+        value = getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
 
 __all__ = [
     "ShardedModule",

@@ -7,6 +7,7 @@ initialised process group: every collective is then a local copy.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,9 +34,23 @@ class Ranks:
 
 
 def resolve_ranks(process_group: Any = None) -> Ranks:
-    """The given process group, else the default one, else a single local process."""
+    """The given process group, else the default one, else a single local process.
+
+    Raises:
+        ValueError: the environment says this is one of several processes (``WORLD_SIZE`` > 1,
+            as torchrun sets it) but there is no default process group: each process would
+            otherwise train alone, silently.
+    """
     if process_group is None:
         if not (dist.is_available() and dist.is_initialized()):
+            world_size = os.environ.get("WORLD_SIZE", "1")
+            if world_size.strip().isdigit() and int(world_size) > 1:
+                raise ValueError(
+                    f"WORLD_SIZE is {world_size} (torchrun sets it) but no default process "
+                    "group is initialised, so each process would train alone: call "
+                    'torch.distributed.init_process_group() (e.g. "gloo" on CPU, "nccl" on '
+                    "GPUs) before gs.shard or gs.ZeroRedundancyOptimizer, or pass process_group"
+                )
             return Ranks(None, 0, 1)
         process_group = dist.group.WORLD
     return Ranks(

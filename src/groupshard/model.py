@@ -83,3 +83,26 @@ class GPT(nn.Module):
         if targets is None:
             return logits
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt: torch.Tensor,
+        new_tokens: int,
+        temperature: float = 1.0,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """``prompt`` (token ids, ``(batch, time)``) followed by ``new_tokens`` sampled ones.
+
+        Runs exactly ``new_tokens`` forwards, whatever is sampled, so that the ranks of a
+        sharded model stay in step; the context is the last ``block_size`` tokens.
+        """
+        if temperature <= 0:
+            raise ValueError(f"Expects temperature > 0 but got {temperature}")
+        tokens = prompt
+        for _ in range(new_tokens):
+            logits = self(tokens[:, -self.config.block_size :])[:, -1, :]
+            probs = F.softmax(logits.float() / temperature, dim=-1)
+            following = torch.multinomial(probs, 1, generator=generator)
+            tokens = torch.cat([tokens, following], dim=1)
+        return tokens

@@ -1,4 +1,8 @@
-"""``groupshard train``: parse, check, launch the workers through torch's elastic launcher."""
+"""``groupshard train``: parse, check, launch the workers through torch's elastic launcher.
+
+Parsing needs no torch: ``--help`` and a mistyped option answer at once, and torch (seconds to
+import) is imported only once the arguments are known to be good.
+"""
 
 from __future__ import annotations
 
@@ -7,30 +11,22 @@ import contextlib
 import logging
 import math
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from groupshard import checkpoint as gs_checkpoint
-from groupshard.cli import data as corpus
-from groupshard.cli.train import (
-    CHECKPOINT,
-    OPTIMIZERS,
-    PRESETS,
-    ZERO_CHECKPOINT,
-    TrainConfig,
-    describe,
-    worker,
-)
+from groupshard.cli import MODEL_SIZES, OPTIMIZERS
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from groupshard.cli.train import TrainConfig
 
 LAUNCHER_LOG = "launcher.log"  # in --out: the launcher's and the workers' logs
 # seconds: far above what a healthy rank waits for another here (a step, a checkpoint), far
@@ -49,6 +45,26 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows each option's default, but none for flags and options without one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _finite_float(text: str) -> float:
+    """argparse type: a finite number (``float`` would also take ``inf`` and ``nan``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="groupshard", description="Sharded training with param groups.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -57,25 +73,49 @@ def _parser() -> argparse.ArgumentParser:
         help="train a small GPT on text (default: the Python standard library's source)",
         description="Train a GPT-style byte-level model with groupshard. Without torchrun it "
         "starts --nproc local worker processes itself; under torchrun it is one worker.",
+        formatter_class=_HelpFormatter,
     )
-    train.add_argument("--data", help="a text file or a folder of text files")
-    train.add_argument("--model", choices=sorted(PRESETS), default="small", help="size preset")
-    train.add_argument("--steps", type=int, default=300)
+    train.add_argument(
+        "--data",
+        help="a text file or a folder of text files (default: the Python standard library's "
+        "source)",
+    )
+    train.add_argument("--model", choices=MODEL_SIZES, default="tiny", help="size preset")
+    train.add_argument("--steps", type=int, default=1500, help="optimizer steps")
     train.add_argument("--batch-size", type=int, default=8, help="sequences per rank and step")
-    train.add_argument("--lr", type=float, default=3e-3)
-    train.add_argument("--weight-decay", type=float, default=0.1)
-    train.add_argument("--strategy", choices=["full", "grad_op", "no_shard"], default="full")
-    train.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    train.add_argument(
+        "--lr", type=_finite_float, default=3e-3,
+        help="peak learning rate (linear warm-up, cosine decay to a tenth)",
+    )  # fmt: skip
+    train.add_argument(
+        "--weight-decay", type=_finite_float, default=0.1,
+        help="decay of matrices; none on biases and norms",
+    )  # fmt: skip
+    train.add_argument(
+        "--strategy", choices=["full", "grad_op", "no_shard"], default="full",
+        help="ZeRO-3, ZeRO-2 or DDP-like",
+    )  # fmt: skip
+    train.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="optimizer")
     train.add_argument("--zero", action="store_true", help="DDP + the ZeRO-1 optimizer instead")
     train.add_argument("--nproc", type=int, default=2, help="local worker processes")
-    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--seed", type=int, default=0, help="seed of the model and the batches")
     train.add_argument("--out", help="output folder (default: runs/<time>)")
-    train.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
-    train.add_argument("--ckpt-every", type=int, default=0, help="also save every N steps")
-    train.add_argument("--eval-every", type=int, default=0, help="validation every N steps")
-    train.add_argument("--clip", type=float, default=1.0, help="gradient norm clip (0: off)")
     train.add_argument(
-        "--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
+        "--resume", action="store_true",
+        help="continue from --out's checkpoint, up to a --steps above its step; the LR schedule "
+        "stays the first run's (past its end, its final LR)",
+    )  # fmt: skip
+    train.add_argument(
+        "--ckpt-every", type=int, default=0, help="also save every N steps (0: at the end only)"
+    )
+    train.add_argument(
+        "--eval-every", type=int, default=0, help="validation every N steps (0: --steps / 5)"
+    )
+    train.add_argument(
+        "--clip", type=_finite_float, default=1.0, help="gradient norm clip (0: off)"
+    )
+    train.add_argument(
+        "--timeout", type=_finite_float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
         help="fail a collective that waits longer than this for another rank "
         "(a hung or stopped rank; default %(default)g)",
     )  # fmt: skip
@@ -83,13 +123,16 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _max_processes() -> int:
+    import torch
+
     if torch.cuda.is_available():
         return torch.cuda.device_count()
     return 2 * (os.cpu_count() or 1)
 
 
 def _check(args: argparse.Namespace) -> TrainConfig:
-    """Validate everything that can be checked before starting workers."""
+    """Validate everything that can be checked before starting workers: first the numbers,
+    before torch is imported."""
     for name in ("steps", "batch_size", "nproc"):
         if getattr(args, name) < 1:
             raise CommandError(
@@ -97,8 +140,18 @@ def _check(args: argparse.Namespace) -> TrainConfig:
             )
     if not args.lr > 0:
         raise CommandError(f"--lr must be positive, got {args.lr}")
+    for name in ("weight_decay", "clip"):
+        if getattr(args, name) < 0:
+            raise CommandError(
+                f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}"
+            )
     if not (args.timeout > 0 and math.isfinite(args.timeout)):
         raise CommandError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    import torch
+
+    from groupshard.cli import data as corpus
+    from groupshard.cli.train import CHECKPOINT, PRESETS, TrainConfig
+
     if "WORLD_SIZE" not in os.environ and args.nproc > _max_processes():
         raise CommandError(
             f"--nproc {args.nproc} is more than this machine can run sensibly ({_max_processes()}: "
@@ -119,6 +172,7 @@ def _check(args: argparse.Namespace) -> TrainConfig:
         ckpt_every=args.ckpt_every, eval_every=args.eval_every, clip=args.clip,
         timeout=args.timeout,
     )  # fmt: skip
+    _check_out(out)
     checkpoint = Path(out) / CHECKPOINT
     if args.resume:
         if not args.out:
@@ -133,15 +187,24 @@ def _check(args: argparse.Namespace) -> TrainConfig:
 
 def _check_resumable(checkpoint: Path, config: TrainConfig) -> None:
     """The checkpoint exists and was written for the same model and optimizer."""
+    import torch
+
+    from groupshard import checkpoint as gs_checkpoint
+    from groupshard.cli.train import ZERO_CHECKPOINT, describe
+
     zero_file = checkpoint / ZERO_CHECKPOINT
     sharded = gs_checkpoint.exists(checkpoint)  # also one an interrupted save left beside it
     if not sharded and not zero_file.exists():
-        raise CommandError(f"--resume: no checkpoint in {checkpoint.parent}")
+        raise CommandError(
+            f"--resume: no checkpoint in {checkpoint.parent}, so nothing to resume (the run "
+            "stopped before saving one); start it again without --resume"
+        )
     try:
         if sharded:
-            saved = gs_checkpoint.read_extra(checkpoint)["config"]
+            extra = gs_checkpoint.read_extra(checkpoint)
         else:
-            saved = torch.load(zero_file, weights_only=True)["extra"]["config"]
+            extra = torch.load(zero_file, weights_only=True)["extra"]
+        saved, step = extra["config"], int(extra["step"])
     except Exception as error:
         source = checkpoint if sharded else zero_file
         raise CommandError(f"--resume: cannot read {source}: {describe(error)}") from None
@@ -151,6 +214,28 @@ def _check_resumable(checkpoint: Path, config: TrainConfig) -> None:
                 f"--resume: the checkpoint in {checkpoint.parent} is from another run "
                 f"(--{key} {saved.get(key)}, not {value})"
             )
+    if config.steps <= step:
+        raise CommandError(
+            f"--resume: the run in {checkpoint.parent} is at step {step} already; pass a "
+            f"--steps above {step} to train on"
+        )
+
+
+def _check_out(out: str) -> None:
+    """``--out`` is a folder this process can write into, or can be made one: found here, in
+    one line, rather than in a worker's first write."""
+    path = Path(out)
+    existing = path
+    try:
+        existing = next(folder for folder in (path, *path.parents) if folder.exists())
+        if not existing.is_dir():
+            where = "a file" if existing == path else f"under {existing}, a file"
+            raise CommandError(f"--out {out} is {where}, not a folder; choose another --out")
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as error:  # also a folder on the way that this user may not enter
+        raise CommandError(
+            f"--out {out} is not writable ({existing}: {error.strerror}); choose another --out"
+        ) from None
 
 
 def _launch(config: TrainConfig, nproc: int) -> int:
@@ -159,30 +244,96 @@ def _launch(config: TrainConfig, nproc: int) -> int:
     The launcher's and the workers' logs go to ``--out``'s launcher.log; the terminal keeps
     the progress bar, the summary and, last, one line on the outcome.
     """
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    with _StopRequests() as stop:  # first: from here on a Ctrl-C is a request to stop
+        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    log_file = Path(config.out) / LAUNCHER_LOG
-    with _log_to(log_file), tempfile.TemporaryDirectory(prefix="groupshard-") as error_files:
-        launch = LaunchConfig(
-            min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
-            rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
-            start_method="spawn", monitor_interval=0.2,
-            logs_specs=DefaultLogsSpecs(log_dir=error_files),  # each worker's error.json
-        )  # fmt: skip
-        try:
-            summaries = elastic_launch(launch, worker)(config, str(log_file))
-        except SignalException:
-            print(f"interrupted; checkpoint in {config.out}/{CHECKPOINT}; continue with --resume "
-                  f"--out {config.out}", file=sys.stderr)  # fmt: skip
-            return 130
-        except ChildFailedError as error:
-            rank, cause = _blame(error)
-            _error(f"worker {rank} failed: {cause} (logs in {log_file})")
-            return 1
-    return _outcome(summaries[0])
+        from groupshard.cli.train import worker
+
+        log_file = Path(config.out) / LAUNCHER_LOG
+        with _log_to(log_file), tempfile.TemporaryDirectory(prefix="groupshard-") as error_files:
+            launch = LaunchConfig(
+                min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
+                rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+                start_method="spawn", monitor_interval=0.2,
+                logs_specs=DefaultLogsSpecs(log_dir=error_files),  # each worker's error.json
+            )  # fmt: skip
+            try:
+                summaries = stop.run(
+                    elastic_launch(launch, worker), config, str(log_file), stop.event
+                )
+            except ChildFailedError as error:
+                if stop.forced:
+                    _interrupted(config.out, None)
+                    return 130
+                rank, cause = _blame(error)
+                _error(f"worker {rank} failed: {cause} (logs in {log_file})")
+                return 1
+        return _outcome(summaries[0])
+
+
+class _StopRequests:
+    """The launcher's signals while its workers run. The first SIGINT (Ctrl-C) or SIGTERM asks
+    the workers to stop (``event``): they agree on a step, save a checkpoint and return, and
+    the launcher exits as soon as they have. A second one, or SIGHUP or SIGQUIT, kills them.
+
+    torch's launcher would instead stop the workers itself and wait 30 s for them to exit,
+    while each finished worker waits for it to read the result; it registers its handlers only
+    on the main thread, so ``run`` starts it on another thread and leaves the signals here.
+    """
+
+    _REQUEST = (signal.SIGINT, signal.SIGTERM)
+    _KILL = (signal.SIGHUP, signal.SIGQUIT)
+
+    def __init__(self) -> None:
+        import multiprocessing
+
+        # created here, on the main thread, as it starts multiprocessing's resource tracker,
+        # which would unblock the signals of the thread that started it (see run)
+        self.event = multiprocessing.get_context("spawn").Event()
+        self.forced = False
+        self._saved: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopRequests:
+        for sig in (*self._REQUEST, *self._KILL):
+            self._saved[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for sig, handler in self._saved.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if signum in self._REQUEST and not self.event.is_set():
+            self.event.set()
+            return
+        import multiprocessing
+
+        self.forced = True
+        for child in multiprocessing.active_children():
+            child.kill()
+
+    def run(self, function: Any, *args: Any) -> Any:
+        """``function(*args)`` on a thread that blocks SIGINT and SIGTERM: the workers it starts
+        inherit the block, so a Ctrl-C while one still imports waits for its StopFlag instead
+        of raising KeyboardInterrupt there (tracebacks, no checkpoint)."""
+        outcome: dict[str, Any] = {}
+
+        def target() -> None:
+            signal.pthread_sigmask(signal.SIG_BLOCK, self._REQUEST)
+            try:
+                outcome["value"] = function(*args)
+            except BaseException as error:
+                outcome["error"] = error
+
+        thread = threading.Thread(target=target, name="groupshard-launcher")
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.1)  # returns to the main thread's signal handlers in between
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
 
 
 def _blame(error: ChildFailedError) -> tuple[int, str]:
@@ -200,12 +351,30 @@ def _blame(error: ChildFailedError) -> tuple[int, str]:
 
 def _outcome(summary: dict[str, Any], show: bool = True) -> int:
     """The exit status of a run whose workers returned ``summary``; prints a diverged run's
-    error (if ``show``)."""
+    error or an interrupted run's checkpoint (if ``show``)."""
+    if summary["status"] == "interrupted":
+        if show:
+            _interrupted(summary["config"]["out"], summary["step"])
+        return 130
     if summary["status"] != "diverged":
         return 0
     if show:
         _error(summary["error"])
     return 1
+
+
+def _interrupted(out: str, step: int | None) -> None:
+    """One line: where the run stopped, and its checkpoint if there is one."""
+    from groupshard import checkpoint as gs_checkpoint
+    from groupshard.cli.train import CHECKPOINT, ZERO_CHECKPOINT
+
+    checkpoint = Path(out) / CHECKPOINT
+    at = "" if step is None else f" at step {step}"
+    if gs_checkpoint.exists(checkpoint) or (checkpoint / ZERO_CHECKPOINT).exists():
+        then = f"checkpoint in {checkpoint}; continue with --resume --out {out}"
+    else:
+        then = "no checkpoint was saved, so there is nothing to resume"
+    print(f"groupshard train: interrupted{at}; {then}", file=sys.stderr, flush=True)
 
 
 def _error(message: str) -> None:
@@ -237,12 +406,23 @@ def _log_to(log_file: Path) -> Iterator[None]:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        return _train(args)
+    except KeyboardInterrupt:  # before _launch handles Ctrl-C itself (while torch imports)
+        print("groupshard train: interrupted before training started; nothing was saved",
+              file=sys.stderr)  # fmt: skip
+        return 130
+
+
+def _train(args: argparse.Namespace) -> int:
+    try:
         config = _check(args)
     except CommandError as error:
         print(f"groupshard {args.command}: error: {error}", file=sys.stderr)
         return 2
     Path(config.out).mkdir(parents=True, exist_ok=True)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: one worker
+        from groupshard.cli.train import worker
+
         return _outcome(worker(config), show=os.environ["RANK"] == "0")
     print(
         f"training {config.model} on {args.nproc} processes, outputs in {config.out}/", flush=True

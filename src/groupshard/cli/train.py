@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import json
 import math
 import os
 import resource
@@ -32,7 +31,6 @@ PRESETS = {
     "small": GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=128),
     "medium": GPTConfig(vocab_size=256, block_size=256, n_layer=6, n_head=8, n_embd=256),
 }
-OPTIMIZERS = ("adamw", "sgd", "lamb", "lars")
 CHECKPOINT = "checkpoint"
 ZERO_CHECKPOINT = "zero.pt"  # inside CHECKPOINT: the --zero run's plain torch.save file
 
@@ -82,24 +80,38 @@ def with_exclusions(name: str, groups: list[dict[str, Any]]) -> list[dict[str, A
 
 
 def lr_factor(step: int, steps: int) -> float:
-    """Linear warm-up over the first 10 % of steps, then cosine decay to 10 %."""
+    """Linear warm-up over the first 10 % of ``steps``, then cosine decay to 10 %, held there
+    after ``steps`` (a resumed run that trains past its schedule's end)."""
     warmup = max(1, steps // 10)
     if step < warmup:
         return (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - warmup)
+    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
     return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
 
 
-class StopFlag:
-    """Set by SIGINT / SIGTERM; the loop stops at the next step all ranks agree on."""
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self) -> None:
-        self.requested = False
-        for sig in (signal.SIGINT, signal.SIGTERM):
+
+class StopFlag:
+    """Set by SIGINT / SIGTERM, or by ``event`` (set by ``groupshard train``'s launcher when
+    it gets one); the loop stops at the next step all ranks agree on.
+
+    The launcher starts its workers with these signals blocked, so that one arriving while a
+    worker still imports stays pending (no KeyboardInterrupt traceback): it is delivered here.
+    """
+
+    def __init__(self, event: Any = None) -> None:
+        self._signalled, self._event = False, event
+        for sig in STOP_SIGNALS:
             signal.signal(sig, self._set)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
     def _set(self, signum: int, frame: Any) -> None:
-        self.requested = True
+        self._signalled = True
+
+    @property
+    def requested(self) -> bool:
+        return self._signalled or (self._event is not None and self._event.is_set())
 
 
 class Run:
@@ -128,6 +140,9 @@ class Run:
             self.local_params = sum(s.local.numel() for s in self.model.groupshard.storages)
         for group in self.optimizer.param_groups:
             group["base_lr"] = group["lr"]
+        # the LR schedule's length: the first start's --steps, kept by its checkpoints, so a
+        # run resumed with more --steps continues the schedule (then holds its final LR)
+        self.schedule_steps = config.steps
 
     @property
     def sharded(self) -> gs.ShardedModule | None:
@@ -181,7 +196,11 @@ class Run:
         checkpoint stays and this returns False (on every rank)."""
         if not self.parameters_finite():
             return False
-        extra = {"step": step, "config": self.config.identity()}
+        extra = {
+            "step": step,
+            "config": self.config.identity(),
+            "schedule_steps": self.schedule_steps,
+        }
         path = Path(self.config.out) / CHECKPOINT
         if self.sharded is not None:
             gs.checkpoint.save(path, self.sharded, self.optimizer, extra=extra)
@@ -217,6 +236,7 @@ class Run:
             if isinstance(cause, Exception) and str(path) in str(cause):
                 raise cause from error
             raise RuntimeError(f"cannot resume from {path}: {describe(cause)}") from error
+        self.schedule_steps = int(extra.get("schedule_steps", self.config.steps))
         return int(extra["step"])
 
 
@@ -246,7 +266,7 @@ def nonfinite(loss: float, grad_norms: dict[str, float]) -> str | None:
 
 def _log(out: Path, row: dict[str, Any]) -> None:
     with open(out / "log.jsonl", "a") as handle:
-        handle.write(json.dumps(row) + "\n")
+        handle.write(report.to_json(row) + "\n")
 
 
 def _step(
@@ -256,7 +276,7 @@ def _step(
     the same on every rank."""
     config, tick = run.config, time.perf_counter()
     for group in run.optimizer.param_groups:
-        group["lr"] = group["base_lr"] * lr_factor(step, config.steps)
+        group["lr"] = group["base_lr"] * lr_factor(step, run.schedule_steps)
     loss = run.model(*run.batch(run.train_data, step))
     loss.backward()
     grad_norms = dict(zip(run.group_names, run.group_grad_norms(), strict=True))
@@ -274,6 +294,8 @@ def _step(
         "tokens_per_s": tokens_per_step / (time.perf_counter() - tick),
     }
     row.update({f"grad_norm/{name}": norm for name, norm in grad_norms.items()})
+    groups = zip(run.group_names, run.optimizer.param_groups, strict=True)
+    row.update({f"lr/{name}": group["lr"] for name, group in groups})
     if problem is None and ((step + 1) % eval_every == 0 or step + 1 == config.steps):
         row["val_loss"] = run.validation_loss()
         if not math.isfinite(row["val_loss"]):  # after this step's update: not to be saved
@@ -281,14 +303,22 @@ def _step(
     return row, problem
 
 
-def train(config: TrainConfig, progress_file: TextIO | None = None) -> dict[str, Any]:
+def train(
+    config: TrainConfig, progress_file: TextIO | None = None, stop: StopFlag | None = None
+) -> dict[str, Any]:
     """The training loop of one rank; the process group is initialised.
 
     Stops on every rank at the first step whose loss, gradient norm or validation loss is not
     finite, and saves no checkpoint whose parameters are not: the summary's status is then
-    "diverged" and its "error" says why and which checkpoint is kept.
+    "diverged" and its "error" says why and which checkpoint is kept. A ``stop`` request
+    (Ctrl-C) ends the run before the next step, status "interrupted", with a checkpoint if it
+    trained a step (else the resumed checkpoint, if any, stays the last).
     """
     ranks = comm.resolve_ranks()
+    stop = stop or StopFlag()
+    if _agreed(stop.requested, ranks):  # Ctrl-C during start-up: build nothing, save nothing
+        return {"status": "interrupted", "step": None, "steps": config.steps,
+                "config": asdict(config)}  # fmt: skip
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if torch.cuda.is_available()
@@ -299,7 +329,6 @@ def train(config: TrainConfig, progress_file: TextIO | None = None) -> dict[str,
     start = run.load() if config.resume else 0
     if config.resume and ranks.rank == 0:
         report.keep_rows_up_to(out, start)  # rows past the checkpoint are logged again
-    stop = StopFlag()
     tokens_per_step = config.batch_size * run.model_config.block_size * ranks.size
     eval_every = config.eval_every or max(1, config.steps // 5)
     step, status, failure = start, "finished", None
@@ -307,6 +336,9 @@ def train(config: TrainConfig, progress_file: TextIO | None = None) -> dict[str,
     started = time.perf_counter()
     with _progress(config.steps, start, enabled=ranks.rank == 0, file=progress_file) as progress:
         for step in range(start, config.steps):
+            if _agreed(stop.requested, ranks):
+                status = "interrupted"
+                break
             row, problem = _step(run, step, tokens_per_step, eval_every)
             if ranks.rank == 0:
                 _log(out, row)
@@ -322,14 +354,10 @@ def train(config: TrainConfig, progress_file: TextIO | None = None) -> dict[str,
             if failure is not None:
                 step, status = step + 1, "diverged"
                 break
-            flag = torch.tensor(float(stop.requested))
-            comm.all_reduce_max(flag, ranks)
-            if flag.item():
-                step, status = step + 1, "interrupted"
-                break
         else:
             step = config.steps
-    if failure is None and not run.save(step):
+    nothing_new = status == "interrupted" and step == start
+    if failure is None and not nothing_new and not run.save(step):
         failure, status = f"a parameter is not finite after step {step}", "diverged"
     elapsed = time.perf_counter() - started
     peak_rss = comm.gather_objects(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, ranks)
@@ -340,6 +368,7 @@ def train(config: TrainConfig, progress_file: TextIO | None = None) -> dict[str,
         "parameters_total": run.total_params, "parameters_per_rank": run.local_params,
         "config": asdict(config),
     }  # fmt: skip
+    summary.update(end_of_run(run, status, out))
     if failure is not None:
         kept = (
             "no checkpoint was saved"
@@ -348,8 +377,108 @@ def train(config: TrainConfig, progress_file: TextIO | None = None) -> dict[str,
         )
         summary["error"] = f"{failure}; {kept}"
     if ranks.rank == 0:
-        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        (out / "summary.json").write_text(report.to_json(summary, indent=1))
     return summary
+
+
+SAMPLE_FILE = "sample.txt"  # in --out: a prompt from the validation data and its continuation
+SAMPLE_BYTES = 200
+SAMPLE_TEMPERATURE = 0.8
+
+
+def end_of_run(run: Run, status: str, out: Path) -> dict[str, Any]:
+    """What the summary adds at the end: the baselines, the final validation loss, each
+    group's sizes, hyperparameters and norms, and (of a finished run) a sample of text.
+
+    All ranks call it (the norms and the sample are collectives); the parts read from the
+    log (final validation loss, last gradient norms) and the sample are rank 0's only.
+    """
+    rows = report.read_log(out) if run.ranks.rank == 0 else []
+    extra: dict[str, Any] = {
+        "baselines": baselines(run),
+        "val_loss": next((r["val_loss"] for r in reversed(rows) if "val_loss" in r), None),
+        "groups": group_summary(run, rows[-1] if rows else {}),
+    }
+    if status == "finished":
+        written = sample(run)
+        if written is not None:
+            (out / SAMPLE_FILE).write_text(written["text"])
+            extra["sample"] = written
+    return extra
+
+
+def baselines(run: Run) -> dict[str, float]:
+    """Cross-entropies (nats/byte) a model must beat: guessing every byte uniformly, and a
+    byte-bigram table counted on the training data (add-one smoothing)."""
+    return {
+        "uniform": math.log(run.model_config.vocab_size),
+        "bigram": corpus.bigram_loss(run.train_data, run.val_data),
+    }
+
+
+def group_summary(run: Run, last_row: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per param group: tensors, elements, weight decay, LR now, the gradient norm of the
+    last step (``last_row``'s) and the weight norm now. A collective when sharded."""
+    groups = run.optimizer.param_groups
+    tensors, elements, squares = [0] * len(groups), [0] * len(groups), [0.0] * len(groups)
+    if run.sharded is not None:
+        group_of = run.sharded.groupshard.groups.group_of()
+        for entry in gs.norm_report(run.sharded):
+            index = group_of.get(entry["name"])
+            if index is not None:  # not frozen
+                tensors[index] += 1
+                elements[index] += entry["numel"]
+                squares[index] += entry["param_norm"] ** 2
+    else:  # ZeRO: every rank holds every parameter
+        for index, group in enumerate(groups):
+            tensors[index] = len(group["params"])
+            elements[index] = sum(p.numel() for p in group["params"])
+            squares[index] = sum(float(p.detach().norm()) ** 2 for p in group["params"])
+    return [
+        {
+            "group": name,
+            "tensors": tensors[index],
+            "elements": elements[index],
+            "weight_decay": group["weight_decay"],
+            "lr": group["lr"],
+            "grad_norm": last_row.get(f"grad_norm/{name}"),
+            "weight_norm": math.sqrt(squares[index]),
+        }
+        for index, (name, group) in enumerate(zip(run.group_names, groups, strict=True))
+    ]
+
+
+def sample(run: Run, new_bytes: int = SAMPLE_BYTES) -> dict[str, Any] | None:
+    """A prompt from the validation data and ``new_bytes`` the model writes after it: the
+    text and both lengths (rank 0; None on the others, which only help gather parameters)."""
+    if run.sharded is None:
+        return _generate(run, run.model.module, new_bytes) if run.ranks.rank == 0 else None
+    with run.sharded.summon_full_params():  # forward runs locally inside: no collectives
+        return _generate(run, run.sharded, new_bytes) if run.ranks.rank == 0 else None
+
+
+def _generate(run: Run, model: Any, new_bytes: int) -> dict[str, Any]:
+    prompt = _prompt(run.val_data, run.model_config.block_size // 2)
+    generator = torch.Generator(device=run.device).manual_seed(run.config.seed)
+    tokens = model.generate(prompt[None], new_bytes, SAMPLE_TEMPERATURE, generator)
+    text = bytes(tokens[0].tolist()).decode("utf-8", errors="replace")
+    return {"text": text, "prompt_bytes": len(prompt), "new_bytes": new_bytes}
+
+
+def _prompt(data: torch.Tensor, length: int) -> torch.Tensor:
+    """``length`` bytes of ``data`` from the first line that starts a function (else the
+    first line): a prompt the reader can judge the continuation of."""
+    head = data[: 2**16].to("cpu", torch.uint8).numpy().tobytes()
+    start = next((head.find(m) + 1 for m in (b"\ndef ", b"\n") if head.find(m) >= 0), 0)
+    start = min(start, max(0, len(data) - length))
+    return data[start : start + length]
+
+
+def _agreed(flag: bool, ranks: comm.Ranks) -> bool:
+    """Whether ``flag`` is set on any rank (one all-reduce)."""
+    value = torch.tensor(float(flag))
+    comm.all_reduce_max(value, ranks)
+    return bool(value.item())
 
 
 def _progress(total: int, initial: int, enabled: bool, file: TextIO | None) -> Any:
@@ -363,12 +492,16 @@ def _progress(total: int, initial: int, enabled: bool, file: TextIO | None) -> A
 
 
 @record  # under torchrun, the launcher's error file then carries the real exception
-def worker(config: TrainConfig, log_file: str | None = None) -> dict[str, Any]:
+def worker(
+    config: TrainConfig, log_file: str | None = None, stop_event: Any = None
+) -> dict[str, Any]:
     """Entry point of a launched worker: join the group (env://), train, leave.
 
     Returns the run's summary. With ``log_file`` (given by ``groupshard train``'s own launcher)
-    this process's stderr goes to that file, all but the progress bar.
+    this process's stderr goes to that file, all but the progress bar; ``stop_event`` (a
+    multiprocessing Event, from the same launcher) asks it to stop as Ctrl-C does.
     """
+    stop = StopFlag(stop_event)  # first: from here on a Ctrl-C is a request, not an exception
     progress_file = _stderr_to(log_file) if log_file is not None else None
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
@@ -379,8 +512,8 @@ def worker(config: TrainConfig, log_file: str | None = None) -> dict[str, Any]:
         timeout=datetime.timedelta(seconds=config.timeout),
     )
     try:
-        summary = train(config, progress_file)
-        if dist.get_rank() == 0:
+        summary = train(config, progress_file, stop)
+        if dist.get_rank() == 0 and summary["step"]:  # else nothing to plot or show
             report.finish(Path(config.out), summary)
         return summary
     except (Exception, KeyboardInterrupt, SystemExit):
