@@ -145,11 +145,14 @@ def gather_objects(value: Any, ranks: Ranks) -> list[Any]:
     return gathered
 
 
-def raise_if_any_failed(error: BaseException | None, ranks: Ranks) -> None:
+def raise_if_any_failed(
+    error: BaseException | None, ranks: Ranks, others_raise: type[Exception] | None = None
+) -> None:
     """Make a failure on any rank fail every rank, so no rank waits in a collective.
 
     A rank re-raises its own error; the others raise the first failing rank's
-    message with the same type (ValueError or TypeError, else RuntimeError).
+    message as ``others_raise`` if given, else with the same type (ValueError or
+    TypeError, else RuntimeError).
     """
     summary = None if error is None else (type(error).__name__, str(error))
     failures = [(r, s) for r, s in enumerate(gather_objects(summary, ranks)) if s is not None]
@@ -157,5 +160,7 @@ def raise_if_any_failed(error: BaseException | None, ranks: Ranks) -> None:
         raise error
     if failures:
         rank, (type_name, message) = failures[0]
-        error_type = {"ValueError": ValueError, "TypeError": TypeError}.get(type_name, RuntimeError)
+        error_type = others_raise or {"ValueError": ValueError, "TypeError": TypeError}.get(
+            type_name, RuntimeError
+        )
         raise error_type(f"rank {rank} failed: {message}")

@@ -288,16 +288,6 @@ def _load_error(error: dcp.CheckpointException, folder: Path) -> CheckpointError
     return CheckpointError(f"Loading the checkpoint {folder} failed. {_first_failure(error)}")
 
 
-def _raise_on_every_rank(error: BaseException | None, ranks: comm.Ranks) -> None:
-    """Raise ``error`` here and a CheckpointError quoting it on the other ranks (no hang)."""
-    summaries = comm.gather_objects(None if error is None else str(error), ranks)
-    if error is not None:
-        raise error
-    for rank, summary in enumerate(summaries):
-        if summary is not None:
-            raise CheckpointError(f"Loading the checkpoint failed on rank {rank}: {summary}")
-
-
 def exists(path: str | os.PathLike) -> bool:
     """Whether ``load`` finds a complete checkpoint at ``path`` (or, after an interrupted
     save, among the folders it left beside ``path``)."""
@@ -461,7 +451,7 @@ def load(
         storage = _check_storage(folder, entries)
     except Exception as caught:  # every rank raises, none waits in DCP's collectives
         error = caught
-    _raise_on_every_rank(error, ranks)
+    comm.raise_if_any_failed(error, ranks, others_raise=CheckpointError)  # no rank waits in DCP
     _read_tensors(folder, storage, entries, ranks)
     if optimizer is not None:
         for group, saved in zip(optimizer.param_groups, meta["groups"], strict=True):

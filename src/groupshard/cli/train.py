@@ -187,9 +187,7 @@ class Run:
         """Whether every rank's optimizer parameters are all finite (one all-reduce)."""
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         nonfinite = torch.stack([~torch.isfinite(p.detach()).all() for p in params]).any()
-        flag = nonfinite.to(torch.float32).reshape(1)
-        comm.all_reduce_max(flag, self.ranks)
-        return not flag.item()
+        return not _agreed(bool(nonfinite), self.ranks)
 
     def save(self, step: int) -> bool:
         """Save a checkpoint of ``step``, unless a parameter is not finite: then the last
