@@ -20,6 +20,7 @@ if TYPE_CHECKING:
         norm_report,
         param_norms,
     )
+    from groupshard.precision import MixedPrecision
     from groupshard.statedict import (
         full_state_dict,
         load_full_state_dict,
@@ -35,6 +36,7 @@ _HOMES = {
     "shard_optimizer": "api",
     "decay_groups": "groups",
     "groups_by": "groups",
+    "MixedPrecision": "precision",
     "clip_grad_norm_": "norms",
     "clip_grad_norm_per_group_": "norms",
     "grad_norms": "norms",
@@ -64,6 +66,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "MixedPrecision",
     "ShardedModule",
     "ZeroRedundancyOptimizer",
     "checkpoint",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -14,6 +15,7 @@ from groupshard import comm
 from groupshard.flat import FlatStorage
 from groupshard.groups import ParamGroups, ResolvedGroups, resolve_groups
 from groupshard.layout import FROZEN_GROUP, StorageLayout, build_storage
+from groupshard.precision import MixedPrecision, PrecisionSpec, unit_policy
 from groupshard.runtime import STRATEGIES, ShardedRuntime, UnitRuntime
 from groupshard.units import UnitPlan, UnitSpec, plan_units
 
@@ -78,7 +80,8 @@ class ShardedModule(nn.Module):
                     f"{storage.layout.unit_name or '<root>'!r} from {storage.local.dtype} on "
                     f"{storage.local.device} to {probe.dtype} on {probe.device}, which a model "
                     "sharded by gs.shard does not support: convert or move the model before "
-                    "gs.shard (mixed precision is coming as gs.MixedPrecision)."
+                    "gs.shard; to compute in another dtype, shard with "
+                    "mixed_precision=gs.MixedPrecision(param_dtype=...)."
                 )
         return super()._apply(fn, recurse)
 
@@ -87,7 +90,8 @@ class ShardedModule(nn.Module):
         """Give the model its original parameters back, gathered, under their own names.
 
         Inside the block ``named_parameters()`` and ``state_dict()`` look like the
-        unsharded model and forward runs unsharded (no gradients reach the shards).
+        unsharded model and forward runs unsharded (no gradients reach the shards). The
+        parameters are the masters, in the shards' dtype, whatever the mixed precision.
 
         Args:
             writeback: copy the parameters' values back into the shards on exit.
@@ -103,10 +107,12 @@ class ShardedModule(nn.Module):
             s.local.clone() if s.replicated and not writeback else None for s in state.storages
         ]
         with torch.no_grad():
-            for unit in runtime.units:
-                unit.stale = True
-            runtime.unshard_together(runtime.units)
-            views = {fqn: v for s in state.storages for fqn, v in s.param_views().items()}
+            masters = [storage.gather_masters() for storage in state.storages]
+            views = {
+                fqn: view
+                for storage, unsharded in zip(state.storages, masters, strict=True)
+                for fqn, view in storage.param_views(unsharded=unsharded).items()
+            }
             _swap_in_originals(state, views)
         runtime.summoned = True
         try:
@@ -115,13 +121,73 @@ class ShardedModule(nn.Module):
             runtime.summoned = False
             with torch.no_grad():
                 if writeback:
-                    _write_back(state)
+                    _write_back(state, masters)
                 for storage, snapshot in zip(state.storages, snapshots, strict=True):
                     if snapshot is not None:
                         storage.local.copy_(snapshot)
                 _swap_out_originals(state)
-                for unit in runtime.units:
-                    unit.reshard()
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Backwards inside keep this rank's gradient sum locally, with no collective (as
+        DDP's and FSDP1's ``no_sync``); the first backward after the block reduces it.
+
+        Costs one unsharded gradient (in ``reduce_dtype``) per unit with parameters
+        while the block lasts, as FSDP2's ``set_requires_gradient_sync(False)``.
+        """
+        return _without_gradient_sync(self)
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """FSDP2's switch for gradient accumulation: ``False`` until the last micro-batch's
+        backward, which then reduces every micro-batch's gradients once."""
+        if not isinstance(requires_gradient_sync, bool):
+            raise TypeError(
+                f"Expects requires_gradient_sync to be a bool but got {requires_gradient_sync!r}"
+            )
+        runtime = self.groupshard.runtime
+        if runtime.in_no_sync:
+            raise RuntimeError(
+                "set_requires_gradient_sync inside model.no_sync(): use one or the other."
+            )
+        runtime.requires_gradient_sync = requires_gradient_sync
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool) -> None:
+        """``False`` keeps units gathered after backward (FSDP2's name), so the next
+        micro-batch's forward does not gather them again; costs their unsharded bytes.
+
+        Gathered copies stay valid until an optimizer step or a groupshard load (then
+        they are gathered again); call ``reshard()`` to free them.
+        """
+        if not isinstance(reshard_after_backward, bool):
+            raise TypeError(
+                f"Expects reshard_after_backward to be a bool but got {reshard_after_backward!r}"
+            )
+        self.groupshard.runtime.reshard_after_backward = reshard_after_backward
+
+    def reshard(self) -> None:
+        """Free every gathered unit now (FSDP2's ``reshard``)."""
+        for unit in self.groupshard.runtime.units:
+            unit.reshard()
+
+
+@contextmanager
+def _without_gradient_sync(model: ShardedModule) -> Iterator[None]:
+    runtime = model.groupshard.runtime
+    if runtime.in_no_sync:
+        raise RuntimeError(
+            "model.no_sync() is already active: do not nest it (the inner block's exit would "
+            "turn gradient sync back on early)."
+        )
+    if not runtime.requires_gradient_sync:
+        raise RuntimeError(
+            "model.no_sync() after model.set_requires_gradient_sync(False): use one or the other."
+        )
+    runtime.in_no_sync = True
+    runtime.requires_gradient_sync = False
+    try:
+        yield
+    finally:
+        runtime.in_no_sync = False
+        runtime.requires_gradient_sync = True
 
 
 def _shard_attr_name(buffer_group: int, dtype: torch.dtype) -> str:
@@ -155,10 +221,11 @@ def originals_installed(model: ShardedModule, data: Mapping[str, torch.Tensor]) 
         _swap_out_originals(model.groupshard)
 
 
-def _write_back(state: ShardingState) -> None:
+def _write_back(state: ShardingState, masters: list[torch.Tensor]) -> None:
+    unsharded_of = dict(zip(map(id, state.storages), masters, strict=True))
     for unit in state.runtime.units:
         for storage in unit.storages:
-            views = storage.param_views()
+            views = storage.param_views(unsharded=unsharded_of[id(storage)])
             for fqn, view in views.items():
                 module, attr = unit.places[fqn][0]
                 current = module._parameters[attr]
@@ -170,7 +237,7 @@ def _write_back(state: ShardingState) -> None:
                     )
                 if current.data_ptr() != view.data_ptr():
                     view.copy_(current.detach())
-            storage.write_back()
+            storage.write_back(unsharded_of[id(storage)])
 
 
 def _swap_out_originals(state: ShardingState) -> None:
@@ -279,6 +346,7 @@ def shard(
     sync_module_states: bool = True,
     reduce_bucket_bytes: int = 25 * 2**20,
     prefetch_bytes: int = 25 * 2**20,
+    mixed_precision: PrecisionSpec = None,
 ) -> ShardedModule:
     """Shard ``model`` in place with one flat buffer per (unit, param group, dtype).
 
@@ -298,6 +366,10 @@ def shard(
         prefetch_bytes: "full" gathers a unit together with the units that run next
             (in forward, and in reverse in backward) while they fit in this many bytes,
             in one all-gather; 0 gathers each unit on its own.
+        mixed_precision: a ``gs.MixedPrecision`` for every unit, or a function
+            ``(unit_name, unit_module) -> gs.MixedPrecision | None`` for one per unit
+            (e.g. keep norm layers in float32). The shards stay in the parameters' dtype
+            (the optimizer's masters); buffers are not cast.
 
     Returns:
         The same module object, now also a ``ShardedModule``.
@@ -319,6 +391,8 @@ def shard(
         params = dict(model.named_parameters())
         world_size = 1 if strategy == "no_shard" else ranks.size
         layouts = _plan_storages(groups, plan, params, world_size)
+        modules = dict(model.named_modules())
+        policies = {name: unit_policy(mixed_precision, name, modules[name]) for name in plan.names}
     except Exception as caught:  # every rank must hear of any failure
         error = caught
     comm.raise_if_any_failed(error, ranks)
@@ -327,10 +401,14 @@ def shard(
         "reduce_bucket_bytes": reduce_bucket_bytes,
         "prefetch_bytes": prefetch_bytes,
     }
-    options = {**runtime_options, "sync_module_states": sync_module_states}
+    options = {
+        **runtime_options,
+        "sync_module_states": sync_module_states,
+        "mixed_precision": {name: repr(policy) for name, policy in policies.items() if policy},
+    }
     _check_same_structure(_signature(groups, layouts, model, options), ranks)
     state = _build_state(
-        model, groups, plan, layouts, params, ranks, runtime_options, sync_module_states
+        model, groups, plan, layouts, params, ranks, runtime_options, sync_module_states, policies
     )
     model.groupshard = state  # type: ignore[assignment]
     cls = model.__class__
@@ -347,6 +425,7 @@ def _build_state(
     ranks: comm.Ranks,
     runtime_options: dict[str, Any],
     sync_module_states: bool,
+    policies: Mapping[str, MixedPrecision | None],
 ) -> ShardingState:
     modules = dict(model.named_modules())
     if sync_module_states:
@@ -354,12 +433,21 @@ def _build_state(
             comm.broadcast(buffer.data, ranks)
     units = []
     for name in plan.names:
+        policy = policies[name] or MixedPrecision()
         storages = [
-            FlatStorage(layout, ranks, params, sync_module_states) for layout in layouts[name]
+            FlatStorage(
+                layout,
+                ranks,
+                params,
+                sync_module_states,
+                compute_dtype=policy.compute_dtype(layout.dtype),
+                reduce_dtype=policy.gradient_dtype(layout.dtype),
+            )
+            for layout in layouts[name]
         ]
         owned = [fqn for fqn, owner in plan.owner.items() if owner == name]
         places = {fqn: [(modules[m], attr) for m, attr in plan.registrations[fqn]] for fqn in owned}
-        units.append(UnitRuntime(name, modules[name], storages, places))
+        units.append(UnitRuntime(name, modules[name], storages, places, policies[name]))
     for unit in units:
         for registrations in unit.places.values():
             for module, attr in registrations:

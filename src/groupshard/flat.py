@@ -8,8 +8,15 @@ Note: FSDP-style tensor vocabulary
     and group-major (1D); the model's parameters are views of it (one ``split``),
     so autograd delivers a unit's whole gradient as one flat tensor.
     ``unsharded_frozen``: the same for frozen parameters, without gradient.
-    When the storage is replicated (``layout.world_size == 1``) the unsharded
-    tensors alias ``local`` and gathering is a no-op.
+    When the storage is replicated (``layout.world_size == 1``) and computes in its own
+    dtype, the unsharded tensors alias ``local`` and gathering is a no-op.
+
+Note: mixed precision
+    ``local`` (the optimizer's shards) is the master, in the parameters' own dtype. The
+    unsharded tensors are in ``compute_dtype``: a gather casts the local shard first (so
+    the all-gather moves ``compute_dtype`` bytes), and a replicated storage that computes
+    in another dtype gathers by a cast copy. Gradients arrive in ``compute_dtype`` and
+    are reduced in ``reduce_dtype``; they land in the shards' dtype.
 """
 
 from __future__ import annotations
@@ -27,6 +34,18 @@ from groupshard.layout import FlatBufferLayout, Segment, StorageLayout
 
 SEGMENTS_ATTR = "groupshard_segments"
 SKIP_ATTR = "groupshard_skip"
+
+_parameter_writes = [0]
+
+
+def parameter_writes() -> int:
+    """How many times shards may have been written (optimizer steps, loads) so far."""
+    return _parameter_writes[0]
+
+
+def note_parameters_written() -> None:
+    """Gathered copies made before now are stale: regather before the next use."""
+    _parameter_writes[0] += 1
 
 
 @dataclass(frozen=True)
@@ -139,11 +158,17 @@ class FlatStorage:
         ranks: comm.Ranks,
         params: Mapping[str, torch.Tensor],
         sync_from_rank0: bool,
+        compute_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         self.layout = layout
         self.ranks = ranks
         self.replicated = layout.world_size == 1
         self.shard_rank = 0 if self.replicated else ranks.rank
+        self.compute_dtype = compute_dtype or layout.dtype
+        self.reduce_dtype = reduce_dtype or self.compute_dtype
+        # the unsharded tensors are ``local`` itself: nothing to gather, nothing to free
+        self.aliases_local = self.replicated and self.compute_dtype == layout.dtype
         device = params[layout.buffers[0].params[0].fqn].device
         self.local = torch.empty(layout.local_numel, dtype=layout.dtype, device=device)  # 1D
         self._fill_local(params, sync_from_rank0)
@@ -157,19 +182,19 @@ class FlatStorage:
             segments = ShardSegments(buffer, self.shard_rank, ranks, self.replicated, device)
             setattr(shard, SEGMENTS_ATTR, segments)
         trainable, frozen = layout.trainable_unsharded_numel, layout.frozen_unsharded_numel
-        if self.replicated:
+        if self.aliases_local:
             self.unsharded_trainable = self.local[:trainable].detach()
             self.unsharded_frozen = self.local[trainable:]
         else:
-            self.unsharded_trainable = self.local.new_empty(trainable)
-            self.unsharded_frozen = self.local.new_empty(frozen)
+            self.unsharded_trainable = self.local.new_empty(trainable, dtype=self.compute_dtype)
+            self.unsharded_frozen = self.local.new_empty(frozen, dtype=self.compute_dtype)
         # .data gives an alias with its own version counter: gathering into it does not
         # invalidate views that autograd saved for backward.
         self.trainable_data = self.unsharded_trainable.data
         self.unsharded_trainable.requires_grad_(trainable > 0)
-        self.is_unsharded = self.replicated
-        if not self.replicated:
-            self.reshard()
+        self.is_unsharded = self.aliases_local
+        self.gathered_at = -1  # parameter_writes() when last gathered
+        self.reshard()
         # The user's original parameters (emptied), whose requires_grad still says frozen.
         self.trainable_originals = [
             params[slot.fqn] for b in layout.trainable_buffers for slot in b.params
@@ -177,7 +202,9 @@ class FlatStorage:
         self.frozen_originals = {
             slot.fqn: params[slot.fqn] for b in layout.frozen_buffers for slot in b.params
         }
-        self.used_in_backward = [False] * len(self.trainable_originals)  # this rank, this backward
+        self.used_in_backward = [False] * len(self.trainable_originals)  # this rank, since synced
+        # this rank's unsharded gradient sum of backwards without gradient sync (reduce_dtype)
+        self.accumulated_grad: torch.Tensor | None = None
         # per trainable shard, per parameter: had a gradient on some rank since .grad was None
         self.had_grad = [[False] * len(b.params) for b in layout.trainable_buffers]
 
@@ -206,8 +233,8 @@ class FlatStorage:
                     f"(now {shard.dtype} on {shard.device}, sharded as {self.local.dtype} on "
                     f"{self.local.device}), e.g. by .to(), .half() or .to_empty() on a "
                     "submodule; a model sharded by gs.shard cannot be converted: convert or "
-                    "move the model before gs.shard (mixed precision is coming as "
-                    "gs.MixedPrecision)."
+                    "move the model before gs.shard; to compute in another dtype, shard with "
+                    "mixed_precision=gs.MixedPrecision(param_dtype=...)."
                 )
         unfrozen = [fqn for fqn, p in self.frozen_originals.items() if p.requires_grad]
         if unfrozen:
@@ -233,19 +260,36 @@ class FlatStorage:
             views.extend(data.split([b.padded_numel for b in buffers]))
         return views
 
+    @property
+    def is_current(self) -> bool:
+        """Gathered, and no parameter was written since (an optimizer step, a load)."""
+        return self.is_unsharded and (self.aliases_local or self.gathered_at == parameter_writes())
+
+    def gather_source(self) -> torch.Tensor:
+        """This rank's shards in ``compute_dtype``: what the all-gather sends."""
+        return self.local.to(self.compute_dtype)
+
     def unshard(self) -> None:
-        """All-gather every buffer of the storage with one collective."""
-        if self.replicated:
+        """All-gather every buffer of the storage with one collective (a cast copy when
+        replicated)."""
+        if self.aliases_local:
             return
         self.allocate_unsharded()
         targets = self.unsharded_buffers()
-        if len(targets) == 1:  # rank-major is group-major: gather in place
-            comm.all_gather(targets[0], self.local, self.ranks)
+        source = self.local if self.replicated else self.gather_source()
+        if self.replicated:
+            torch._foreach_copy_(targets, list(source.split([t.numel() for t in targets])))
+        elif len(targets) == 1:  # rank-major is group-major: gather in place
+            comm.all_gather(targets[0], source, self.ranks)
         else:
-            gathered = self.local.new_empty(self.ranks.size * self.layout.local_numel)
-            comm.all_gather(gathered, self.local, self.ranks)
+            gathered = source.new_empty(self.ranks.size * self.layout.local_numel)
+            comm.all_gather(gathered, source, self.ranks)
             self.copy_out(gathered.view(self.ranks.size, -1))
+        self.mark_gathered()
+
+    def mark_gathered(self) -> None:
         self.is_unsharded = True
+        self.gathered_at = parameter_writes()
 
     def allocate_unsharded(self) -> None:
         _allocate(self.trainable_data)
@@ -259,27 +303,36 @@ class FlatStorage:
             dim=1,
             out=[t.view(self.ranks.size, -1) for t in self.unsharded_buffers()],
         )
-        self.is_unsharded = True
+        self.mark_gathered()
 
     def reshard(self) -> None:
         """Free the unsharded buffers (their views keep pointing at the same storage)."""
-        if self.replicated:
+        if self.aliases_local:
             return
         _free(self.trainable_data)
         _free(self.unsharded_frozen)
         self.is_unsharded = False
 
-    def param_views(self, track_use: bool = False) -> dict[str, torch.Tensor]:
+    def param_views(
+        self, track_use: bool = False, unsharded: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
         """The original parameters as views of the unsharded buffers, by FQN.
 
         With ``track_use``, the backward that reaches any trainable view records which
         ones it reached (``used_in_backward``): autograd passes the split's backward
         node None for every output that got no gradient, before filling in zeros.
+        ``unsharded``: views of this tensor (``gather_masters()``) instead.
         """
         views: dict[str, torch.Tensor] = {}
+        if unsharded is None:
+            trainable, frozen = self.unsharded_trainable, self.unsharded_frozen
+        else:
+            trainable, frozen = unsharded.split(
+                [self.layout.trainable_unsharded_numel, self.layout.frozen_unsharded_numel]
+            )
         for source, buffers in (
-            (self.unsharded_trainable, self.layout.trainable_buffers),
-            (self.unsharded_frozen, self.layout.frozen_buffers),
+            (trainable, self.layout.trainable_buffers),
+            (frozen, self.layout.frozen_buffers),
         ):
             if not buffers:
                 continue
@@ -348,10 +401,28 @@ class FlatStorage:
             torch._foreach_zero_([p for p, f in zip(pieces, frozen, strict=True) if f])
         return grad
 
+    def gradient_to_reduce(self, grad: torch.Tensor, sync: bool) -> torch.Tensor | None:
+        """The unsharded gradient to reduce now, in ``reduce_dtype``, with what backwards
+        without sync accumulated; None (no collective) while ``sync`` is off."""
+        grad = grad.to(self.reduce_dtype)
+        if self.accumulated_grad is not None:
+            grad = self.accumulated_grad.add_(grad)
+            self.accumulated_grad = None
+        if sync:
+            return grad
+        self.accumulated_grad = grad
+        return None
+
+    def take_accumulated_grad(self) -> torch.Tensor | None:
+        """What backwards without sync accumulated and no synced backward reduced yet."""
+        grad, self.accumulated_grad = self.accumulated_grad, None
+        return grad
+
     def assign_shard_grads(self, sharded_grad: torch.Tensor) -> None:
-        """Give each trainable shard its slice of ``sharded_grad`` (added if it has one)."""
+        """Give each trainable shard its slice of ``sharded_grad`` (added if it has one),
+        in the shards' dtype."""
         sizes = [buffer.shard_numel for buffer in self.layout.trainable_buffers]
-        pieces = sharded_grad.split(sizes)
+        pieces = sharded_grad.to(self.layout.dtype).split(sizes)
         for index, (shard, piece) in enumerate(zip(self.trainable_shards, pieces, strict=True)):
             if shard.grad is None:
                 shard.grad = piece
@@ -391,12 +462,31 @@ class FlatStorage:
             )
         return params
 
-    def write_back(self) -> None:
-        """Copy this rank's part of the unsharded buffers back into ``local``."""
+    def gather_masters(self) -> torch.Tensor:
+        """Every buffer unsharded in the shards' own dtype, group-major, as one new tensor
+        (``local`` itself when replicated): one all-gather."""
         if self.replicated:
+            return self.local
+        gathered = self.local.new_empty(self.ranks.size * self.layout.local_numel)
+        comm.all_gather(gathered, self.local, self.ranks)
+        unsharded = self.local.new_empty(self.ranks.size * self.layout.local_numel)
+        sizes = [b.padded_numel for b in self.layout.buffers]
+        torch.split_with_sizes_copy(
+            gathered.view(self.ranks.size, -1),
+            [b.shard_numel for b in self.layout.buffers],
+            dim=1,
+            out=[t.view(self.ranks.size, -1) for t in unsharded.split(sizes)],
+        )
+        return unsharded
+
+    def write_back(self, unsharded: torch.Tensor) -> None:
+        """Copy this rank's part of ``unsharded`` (from ``gather_masters``) into ``local``."""
+        note_parameters_written()
+        if unsharded is self.local:
             return
+        sizes = [b.padded_numel for b in self.layout.buffers]
         for index, (buffer, data) in enumerate(
-            zip(self.layout.buffers, self.unsharded_buffers(), strict=True)
+            zip(self.layout.buffers, unsharded.split(sizes), strict=True)
         ):
             start, end = buffer.shard_range(self.shard_rank)
             self.local[slice(*self.layout.local_range(index))].copy_(data[start:end])
@@ -406,9 +496,9 @@ def reduce_gradients(storages: list[FlatStorage], grads: list[torch.Tensor]) -> 
     """Average unsharded gradients over ranks into the storages' shard gradients.
 
     One reduce-scatter (an all-reduce when replicated) for all groups of all the given
-    storages, which must share dtype, ranks and replication: the rank-major scatter
-    input ``(ranks, sum of trainable shard sizes)`` is one ``_chunk_cat`` of every
-    flat buffer's gradient.
+    storages, which must share ranks and replication, and whose gradients must share a
+    dtype (the reduce dtype): the rank-major scatter input ``(ranks, sum of trainable
+    shard sizes)`` is one ``_chunk_cat`` of every flat buffer's gradient.
     """
     ranks = storages[0].ranks
     if storages[0].replicated:
@@ -434,10 +524,11 @@ def reduce_gradients(storages: list[FlatStorage], grads: list[torch.Tensor]) -> 
 
 
 def unshard_storages(storages: list[FlatStorage]) -> None:
-    """All-gather several sharded storages (one dtype, one process group) in one collective."""
+    """All-gather several sharded storages (one compute dtype, one process group) in one
+    collective."""
     ranks = storages[0].ranks
     sizes = [storage.layout.local_numel for storage in storages]
-    local = torch.cat([storage.local for storage in storages])
+    local = torch.cat([storage.gather_source() for storage in storages])
     gathered = local.new_empty(ranks.size * local.numel())
     comm.all_gather(gathered, local, ranks)
     for storage, columns in zip(

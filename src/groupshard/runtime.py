@@ -13,10 +13,19 @@ not reach. So each forward hooks the parameter views, the end of backward combin
 ranks' "used" flags (one small all-reduce; a parameter used on any rank has a gradient,
 as in DDP), and a global optimizer-step hook keeps the other parameters' values and
 per-element state (``SkippedSegments``), for any torch optimizer.
+
+Gradient accumulation: while gradient sync is off (``no_sync``), a backward adds each
+storage's unsharded gradient to a local sum (``reduce_dtype``) and communicates nothing,
+not even the used flags; the next synced backward reduces the sum once. An optimizer
+step while sums wait raises instead of stepping without them.
+
+Gathered parameters are current until a shard is written: any optimizer step (a global
+hook) or a groupshard load counts as a write (``flat.note_parameters_written``).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from functools import cached_property
@@ -32,7 +41,14 @@ from torch.optim.optimizer import (
 from torch.utils._pytree import tree_flatten
 
 from groupshard import comm, flatstate
-from groupshard.flat import FlatStorage, reduce_gradients, skipped_segments_of, unshard_storages
+from groupshard.flat import (
+    FlatStorage,
+    note_parameters_written,
+    reduce_gradients,
+    skipped_segments_of,
+    unshard_storages,
+)
+from groupshard.precision import MixedPrecision
 
 STRATEGIES = ("full", "grad_op", "no_shard")
 
@@ -46,16 +62,17 @@ class UnitRuntime:
         module: nn.Module,
         storages: Sequence[FlatStorage],
         places: dict[str, list[tuple[nn.Module, str]]],
+        policy: MixedPrecision | None = None,
     ) -> None:
         self.name = name
         self.module = module
         self.storages = list(storages)
         self.places = places  # FQN -> [(module, attribute)], every registration
-        self.stale = False  # gathered data may predate an optimizer step
+        self.policy = policy
 
     def storages_to_gather(self) -> list[FlatStorage]:
-        """Sharded storages not gathered, or gathered before an optimizer step."""
-        return [s for s in self.storages if not s.replicated and (self.stale or not s.is_unsharded)]
+        """Storages not gathered, or gathered before a shard was written."""
+        return [s for s in self.storages if not s.is_current]
 
     @property
     def needs_gather(self) -> bool:
@@ -65,9 +82,9 @@ class UnitRuntime:
     def unsharded_bytes(self) -> int:
         return sum(
             (s.layout.trainable_unsharded_numel + s.layout.frozen_unsharded_numel)
-            * s.local.element_size()
+            * s.unsharded_trainable.element_size()
             for s in self.storages
-            if not s.replicated
+            if not s.aliases_local
         )
 
     def reshard(self) -> None:
@@ -113,6 +130,9 @@ class ShardedRuntime:
         # gradients waiting for one collective, per dtype: [(storage, unsharded grad)]
         self._pending: dict[torch.dtype, list[tuple[FlatStorage, torch.Tensor]]] = {}
         self.peak_gathered_bytes = 0  # most unsharded parameter bytes held at once
+        self.requires_gradient_sync = True
+        self.in_no_sync = False
+        self.reshard_after_backward = True
 
     def gathered_bytes(self) -> int:
         """Bytes of unsharded parameters allocated right now."""
@@ -126,7 +146,9 @@ class ShardedRuntime:
         register_optimizer_hooks()
         for unit in self.units:
             module = unit.module
-            self._handles.append(module.register_forward_pre_hook(self._pre_forward_hook(unit)))
+            self._handles.append(
+                module.register_forward_pre_hook(self._pre_forward_hook(unit), with_kwargs=True)
+            )
             self._handles.append(module.register_forward_hook(self._post_forward_hook(unit)))
             for storage in unit.storages:
                 if storage.layout.trainable_buffers:
@@ -136,10 +158,10 @@ class ShardedRuntime:
                         )
                     )
 
-    def _pre_forward_hook(self, unit: UnitRuntime) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any) -> None:
+    def _pre_forward_hook(self, unit: UnitRuntime) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
             if self.summoned:
-                return
+                return None
             for storage in unit.storages:
                 storage.check_shards()
             if unit is self.units[0]:
@@ -149,6 +171,7 @@ class ShardedRuntime:
             if unit.needs_gather:
                 self.unshard_together(self._with_followers(unit, self._forward_order))
             unit.install_views(track_use=torch.is_grad_enabled())
+            return None if unit.policy is None else unit.policy.cast_inputs(args, kwargs)
 
         return hook
 
@@ -156,8 +179,6 @@ class ShardedRuntime:
         if self._recording:
             self._forward_order = self._recording
         self._recording = []
-        for unit in self.units:
-            unit.stale = any(s.is_unsharded for s in unit.storages)
         if self.strategy == "grad_op" and torch.is_grad_enabled():
             # Every unit stays gathered from its forward to the end of backward, so
             # gathering all at once costs no extra memory and one collective per dtype.
@@ -182,12 +203,14 @@ class ShardedRuntime:
 
     def unshard_together(self, units: Sequence[UnitRuntime]) -> None:
         """Gather the storages of ``units`` that need it (not gathered, or stale): one
-        collective per dtype."""
+        collective per compute dtype (a replicated storage only casts)."""
         by_dtype: dict[torch.dtype, list[FlatStorage]] = {}
         for unit in units:
             for storage in unit.storages_to_gather():
-                by_dtype.setdefault(storage.layout.dtype, []).append(storage)
-            unit.stale = False
+                if storage.replicated:
+                    storage.unshard()
+                else:
+                    by_dtype.setdefault(storage.compute_dtype, []).append(storage)
         for storages in by_dtype.values():
             if len(storages) == 1:
                 storages[0].unshard()
@@ -196,9 +219,11 @@ class ShardedRuntime:
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
 
     def _post_forward_hook(self, unit: UnitRuntime) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
+        def hook(module: nn.Module, args: Any, output: Any) -> Any:
             if self.summoned:
-                return
+                return None
+            if unit.policy is not None:
+                output = unit.policy.cast_output(output)
             # grad_op keeps every unit for backward; full keeps only the root, whose
             # backward begins right after its forward (FSDP2's root does the same)
             keep = self.strategy != "full" or unit is self.units[0]
@@ -211,6 +236,7 @@ class ShardedRuntime:
                     torch.autograd.graph.register_multi_grad_hook(
                         tensors, self._pre_backward_hook(unit), mode="any"
                     )
+            return output
 
         return hook
 
@@ -234,15 +260,26 @@ class ShardedRuntime:
                 return
             # The parameters are no longer needed once their gradient is complete (unless
             # a frozen op later in backward reads this storage: then wait for the end).
-            if self.strategy == "full" and not storage.layout.frozen_buffers:
+            if (
+                self.strategy == "full"
+                and self.reshard_after_backward
+                and not storage.layout.frozen_buffers
+            ):
                 storage.reshard()
-            pending = self._pending.setdefault(storage.layout.dtype, [])
-            pending.append((storage, grad))
-            waiting = sum(g.numel() * g.element_size() for _, g in pending)
-            if waiting >= self.reduce_bucket_bytes:
-                self._flush(storage.layout.dtype)
+            grad = storage.gradient_to_reduce(grad, self.requires_gradient_sync)
+            if grad is None:
+                _accumulating.add(self)
+                return
+            self._add_pending(storage, grad)
 
         return hook
+
+    def _add_pending(self, storage: FlatStorage, grad: torch.Tensor) -> None:
+        pending = self._pending.setdefault(grad.dtype, [])
+        pending.append((storage, grad))
+        waiting = sum(g.numel() * g.element_size() for _, g in pending)
+        if waiting >= self.reduce_bucket_bytes:
+            self._flush(grad.dtype)
 
     def _flush(self, dtype: torch.dtype) -> None:
         """One collective for every gradient waiting in the bucket of ``dtype``."""
@@ -253,12 +290,33 @@ class ShardedRuntime:
 
     def _end_of_backward(self) -> None:
         self._backward_order, self._backward_recording = self._backward_recording, []
+        self._final_callback_queued = False
+        if self.reshard_after_backward:
+            for unit in self.units:
+                unit.reshard()
+        if not self.requires_gradient_sync:
+            return
+        # sums from backwards without sync whose storage this backward did not reach
+        for storage in self.storages:
+            accumulated = storage.take_accumulated_grad()
+            if accumulated is not None:
+                self._add_pending(storage, accumulated)
         for dtype in list(self._pending):
             self._flush(dtype)
-        for unit in self.units:
-            unit.reshard()
-        self._final_callback_queued = False
+        _accumulating.discard(self)
         self._combine_used()
+
+    def waiting_gradients(self) -> list[str]:
+        """Units holding local gradient sums that no synced backward has reduced yet."""
+        return [
+            unit.name or "<root>"
+            for unit in self.units
+            if any(s.accumulated_grad is not None for s in unit.storages)
+        ]
+
+    @cached_property
+    def shard_ids(self) -> frozenset[int]:
+        return frozenset(id(shard) for storage in self.storages for shard in storage.shards)
 
     def _combine_used(self) -> None:
         """Which parameters had a gradient in this backward on any rank: one all-reduce."""
@@ -279,6 +337,25 @@ class ShardedRuntime:
             offset += len(per_storage)
 
 
+# Runtimes whose storages hold gradient sums of backwards without sync.
+_accumulating: weakref.WeakSet[ShardedRuntime] = weakref.WeakSet()
+
+
+def _refuse_unreduced_gradients(optimizer: torch.optim.Optimizer) -> None:
+    for runtime in list(_accumulating):
+        units = runtime.waiting_gradients()
+        if not units:
+            continue
+        if any(id(p) in runtime.shard_ids for g in optimizer.param_groups for p in g["params"]):
+            raise RuntimeError(
+                f"optimizer.step() while units {units} hold gradients of backwards run without "
+                "gradient sync (inside model.no_sync() or after "
+                "model.set_requires_gradient_sync(False)) that no synced backward has reduced: "
+                "the step would miss them. Run the last micro-batch's backward with sync on "
+                "(outside no_sync / set_requires_gradient_sync(True)), then step."
+            )
+
+
 # Optimizer steps over shards leave the pieces of parameters without a gradient alone.
 # Keyed by id(shard): (id of the optimizer whose step holds it, function that restores it).
 # A wrapper (gs.optim.LARC) steps its inner optimizer inside its own step: the outer
@@ -288,6 +365,8 @@ _optimizer_hooks: list[Any] = []
 
 
 def _keep_skipped_segments(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if _accumulating:
+        _refuse_unreduced_gradients(optimizer)
     # A step of this optimizer that raised left its holds behind: settle them first.
     _restore_skipped_segments(optimizer, args, kwargs)
     for group in optimizer.param_groups:
@@ -312,6 +391,7 @@ def _grad_restorer(shard: torch.Tensor, grad: torch.Tensor) -> Callable[[], None
 
 
 def _restore_skipped_segments(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    note_parameters_written()
     if not _held:
         return
     mine = [key for key, (owner, _) in _held.items() if owner == id(optimizer)]

@@ -16,7 +16,7 @@ from torch import nn
 
 from groupshard import flatstate
 from groupshard.api import ShardedModule, ShardingState, originals_installed
-from groupshard.flat import segments_of
+from groupshard.flat import note_parameters_written, segments_of
 
 
 def _state_of(model: nn.Module, what: str) -> ShardingState:
@@ -116,6 +116,7 @@ def load_full_state_dict(model: ShardedModule, state_dict: dict[str, torch.Tenso
         for shard, buffer in zip(storage.shards, storage.layout.buffers, strict=True):
             values = [by_fqn[slot.fqn] for slot in buffer.params]
             shard.copy_(flatstate.shard_of(values, buffer, storage.shard_rank, shard))
+    note_parameters_written()
     buffers = dict(model.named_buffers())
     for name, (fqn, _) in expected.items():
         if fqn is None and name in buffers:

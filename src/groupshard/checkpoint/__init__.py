@@ -43,7 +43,7 @@ from groupshard.api import ShardedModule
 from groupshard.checkpoint import folders, reader
 from groupshard.checkpoint.errors import CheckpointError, UnsafeCheckpointError
 from groupshard.checkpoint.folders import FORMAT, META_FILE
-from groupshard.flat import ShardSegments, segments_of
+from groupshard.flat import ShardSegments, note_parameters_written, segments_of
 from groupshard.statedict import check_optimizer, plain_optimizer_state
 
 __all__ = [
@@ -453,6 +453,7 @@ def load(
         error = caught
     comm.raise_if_any_failed(error, ranks, others_raise=CheckpointError)  # no rank waits in DCP
     _read_tensors(folder, storage, entries, ranks)
+    note_parameters_written()
     if optimizer is not None:
         for group, saved in zip(optimizer.param_groups, meta["groups"], strict=True):
             group.update(_decode(saved["hyperparameters"]))
