@@ -191,6 +191,7 @@ class FlatStorage:
         # .data gives an alias with its own version counter: gathering into it does not
         # invalidate views that autograd saved for backward.
         self.trainable_data = self.unsharded_trainable.data
+        self.frozen_data = self.unsharded_frozen.data
         self.unsharded_trainable.requires_grad_(trainable > 0)
         self.is_unsharded = self.aliases_local
         self.gathered_at = -1  # parameter_writes() when last gathered
@@ -255,7 +256,7 @@ class FlatStorage:
         views = []
         for data, buffers in (
             (self.trainable_data, self.layout.trainable_buffers),
-            (self.unsharded_frozen, self.layout.frozen_buffers),
+            (self.frozen_data, self.layout.frozen_buffers),
         ):
             views.extend(data.split([b.padded_numel for b in buffers]))
         return views
@@ -293,7 +294,7 @@ class FlatStorage:
 
     def allocate_unsharded(self) -> None:
         _allocate(self.trainable_data)
-        _allocate(self.unsharded_frozen)
+        _allocate(self.frozen_data)
 
     def copy_out(self, gathered: torch.Tensor) -> None:
         """Rank-major gathered shards ``(ranks, local_numel)`` into the group-major buffers."""
@@ -310,7 +311,7 @@ class FlatStorage:
         if self.aliases_local:
             return
         _free(self.trainable_data)
-        _free(self.unsharded_frozen)
+        _free(self.frozen_data)
         self.is_unsharded = False
 
     def param_views(
