@@ -144,9 +144,9 @@ def gathered_bytes_case(rank: int, world_size: int, strategy: str) -> dict[str, 
         gathered = [0]
         original = comm.all_gather
 
-        def counting(output, shard, ranks, gathered=gathered, original=original):
+        def counting(output, *args, gathered=gathered, original=original, **kwargs):
             gathered[0] += output.numel() * output.element_size()
-            return original(output, shard, ranks)
+            return original(output, *args, **kwargs)
 
         for counted in (False, True):
             with (

@@ -165,6 +165,7 @@ class ShardedModule(nn.Module):
 
     def reshard(self) -> None:
         """Free every gathered unit now (FSDP2's ``reshard``)."""
+        self.groupshard.runtime.wait_for_gathers()
         for unit in self.groupshard.runtime.units:
             unit.reshard()
 
@@ -347,6 +348,7 @@ def shard(
     reduce_bucket_bytes: int = 25 * 2**20,
     prefetch_bytes: int = 25 * 2**20,
     mixed_precision: PrecisionSpec = None,
+    overlap: bool = True,
 ) -> ShardedModule:
     """Shard ``model`` in place with one flat buffer per (unit, param group, dtype).
 
@@ -370,6 +372,10 @@ def shard(
             ``(unit_name, unit_module) -> gs.MixedPrecision | None`` for one per unit
             (e.g. keep norm layers in float32). The shards stay in the parameters' dtype
             (the optimizer's masters); buffers are not cast.
+        overlap: start collectives asynchronously and wait as late as possible (the
+            next units' all-gather runs while a unit computes, gradient reductions while
+            backward goes on); ``False`` runs each collective where it is needed, for
+            debugging or comparison. Same results either way.
 
     Returns:
         The same module object, now also a ``ShardedModule``.
@@ -379,6 +385,8 @@ def shard(
     try:
         if strategy not in STRATEGIES:
             raise ValueError(f"Expects strategy in {STRATEGIES} but got {strategy=}")
+        if not isinstance(overlap, bool):
+            raise TypeError(f"Expects overlap to be a bool but got {overlap!r}")
         if reduce_bucket_bytes < 0 or prefetch_bytes < 0:
             raise ValueError(
                 f"Expects reduce_bucket_bytes, prefetch_bytes >= 0 but got "
@@ -400,6 +408,7 @@ def shard(
         "strategy": strategy,
         "reduce_bucket_bytes": reduce_bucket_bytes,
         "prefetch_bytes": prefetch_bytes,
+        "overlap": overlap,
     }
     options = {
         **runtime_options,

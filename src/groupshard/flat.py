@@ -22,7 +22,7 @@ Note: mixed precision
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -270,23 +270,28 @@ class FlatStorage:
         """This rank's shards in ``compute_dtype``: what the all-gather sends."""
         return self.local.to(self.compute_dtype)
 
-    def unshard(self) -> None:
+    def unshard(self, async_op: bool = False) -> comm.Pending:
         """All-gather every buffer of the storage with one collective (a cast copy when
-        replicated)."""
+        replicated); with ``async_op``, the buffers are complete after ``wait()``."""
         if self.aliases_local:
-            return
+            return comm.Pending(done=True)
         self.allocate_unsharded()
         targets = self.unsharded_buffers()
-        source = self.local if self.replicated else self.gather_source()
         if self.replicated:
-            torch._foreach_copy_(targets, list(source.split([t.numel() for t in targets])))
-        elif len(targets) == 1:  # rank-major is group-major: gather in place
-            comm.all_gather(targets[0], source, self.ranks)
-        else:
-            gathered = source.new_empty(self.ranks.size * self.layout.local_numel)
-            comm.all_gather(gathered, source, self.ranks)
-            self.copy_out(gathered.view(self.ranks.size, -1))
-        self.mark_gathered()
+            torch._foreach_copy_(targets, list(self.local.split([t.numel() for t in targets])))
+            self.mark_gathered()
+            return comm.Pending(done=True)
+        source = self.gather_source()
+        if len(targets) == 1:  # rank-major is group-major: gather in place
+            return comm.all_gather(targets[0], source, self.ranks, async_op, self.mark_gathered)
+        gathered = source.new_empty(self.ranks.size * self.layout.local_numel)
+        return comm.all_gather(
+            gathered,
+            source,
+            self.ranks,
+            async_op,
+            lambda: self.copy_out(gathered.view(self.ranks.size, -1)),
+        )
 
     def mark_gathered(self) -> None:
         self.is_unsharded = True
@@ -493,47 +498,58 @@ class FlatStorage:
             self.local[slice(*self.layout.local_range(index))].copy_(data[start:end])
 
 
-def reduce_gradients(storages: list[FlatStorage], grads: list[torch.Tensor]) -> None:
+def reduce_gradients(
+    storages: list[FlatStorage], grads: list[torch.Tensor], async_op: bool = False
+) -> comm.Pending:
     """Average unsharded gradients over ranks into the storages' shard gradients.
 
     One reduce-scatter (an all-reduce when replicated) for all groups of all the given
     storages, which must share ranks and replication, and whose gradients must share a
     dtype (the reduce dtype): the rank-major scatter input ``(ranks, sum of trainable
-    shard sizes)`` is one ``_chunk_cat`` of every flat buffer's gradient.
+    shard sizes)`` is one ``_chunk_cat`` of every flat buffer's gradient. With
+    ``async_op``, the shards have their gradients after ``wait()``.
     """
     ranks = storages[0].ranks
+
+    def assign(flat: torch.Tensor, sizes: list[int]) -> Callable[[], None]:
+        def finish() -> None:
+            for storage, piece in zip(storages, flat.split(sizes), strict=True):
+                storage.assign_shard_grads(piece)
+
+        return finish
+
     if storages[0].replicated:
         flat = grads[0] if len(grads) == 1 else torch.cat(grads)
-        comm.all_reduce_mean(flat, ranks)
-        pieces = flat.split([grad.numel() for grad in grads])
+        sizes = [grad.numel() for grad in grads]
+        return comm.all_reduce_mean(flat, ranks, async_op, assign(flat, sizes))
+    per_buffer = [
+        piece
+        for storage, grad in zip(storages, grads, strict=True)
+        for piece in grad.split([b.padded_numel for b in storage.layout.trainable_buffers])
+    ]
+    if len(per_buffer) == 1:  # rank-major already
+        scatter_input = per_buffer[0]
     else:
-        per_buffer = [
-            piece
-            for storage, grad in zip(storages, grads, strict=True)
-            for piece in grad.split([b.padded_numel for b in storage.layout.trainable_buffers])
-        ]
-        if len(per_buffer) == 1:  # rank-major already
-            scatter_input = per_buffer[0]
-        else:
-            scatter_input = torch._chunk_cat(per_buffer, dim=0, num_chunks=ranks.size)
-        sizes = [storage.layout.trainable_shard_numel for storage in storages]
-        flat = grads[0].new_empty(sum(sizes))
-        comm.reduce_scatter_mean(flat, scatter_input, ranks)
-        pieces = flat.split(sizes)
-    for storage, piece in zip(storages, pieces, strict=True):
-        storage.assign_shard_grads(piece)
+        scatter_input = torch._chunk_cat(per_buffer, dim=0, num_chunks=ranks.size)
+    sizes = [storage.layout.trainable_shard_numel for storage in storages]
+    flat = grads[0].new_empty(sum(sizes))
+    return comm.reduce_scatter_mean(flat, scatter_input, ranks, async_op, assign(flat, sizes))
 
 
-def unshard_storages(storages: list[FlatStorage]) -> None:
+def unshard_storages(storages: list[FlatStorage], async_op: bool = False) -> comm.Pending:
     """All-gather several sharded storages (one compute dtype, one process group) in one
-    collective."""
+    collective; with ``async_op``, their buffers are complete after ``wait()``."""
     ranks = storages[0].ranks
     sizes = [storage.layout.local_numel for storage in storages]
     local = torch.cat([storage.gather_source() for storage in storages])
     gathered = local.new_empty(ranks.size * local.numel())
-    comm.all_gather(gathered, local, ranks)
-    for storage, columns in zip(
-        storages, gathered.view(ranks.size, -1).split(sizes, dim=1), strict=True
-    ):
+    for storage in storages:
         storage.allocate_unsharded()
-        storage.copy_out(columns)
+
+    def copy_out() -> None:
+        for storage, columns in zip(
+            storages, gathered.view(ranks.size, -1).split(sizes, dim=1), strict=True
+        ):
+            storage.copy_out(columns)
+
+    return comm.all_gather(gathered, local, ranks, async_op, copy_out)

@@ -19,6 +19,14 @@ storage's unsharded gradient to a local sum (``reduce_dtype``) and communicates 
 not even the used flags; the next synced backward reduces the sum once. An optimizer
 step while sums wait raises instead of stepping without them.
 
+Overlap (``overlap=True``): collectives are started asynchronously and waited for as
+late as possible. ``full`` gathers units in windows (a unit and the units that run next,
+up to ``prefetch_bytes``); the next window's all-gather starts before the last unit of
+the current one computes, in forward and in backward order. A full gradient bucket's
+reduce-scatter starts at once and is waited for when more than
+``REDUCES_IN_FLIGHT`` are running, or at the end of backward. The collectives are the
+same ones, in the same order on every rank, as without overlap, so results are equal.
+
 Gathered parameters are current until a shard is written: any optimizer step (a global
 hook) or a groupshard load counts as a write (``flat.note_parameters_written``).
 """
@@ -51,6 +59,9 @@ from groupshard.flat import (
 from groupshard.precision import MixedPrecision
 
 STRATEGIES = ("full", "grad_op", "no_shard")
+REDUCES_IN_FLIGHT = 2
+"""Gradient buckets reducing at once: unsharded gradient bytes in flight stay below
+``REDUCES_IN_FLIGHT`` x (``reduce_bucket_bytes`` + the largest unit's gradient)."""
 
 
 class UnitRuntime:
@@ -113,6 +124,7 @@ class ShardedRuntime:
         strategy: str,
         reduce_bucket_bytes: int = 0,
         prefetch_bytes: int = 0,
+        overlap: bool = True,
     ) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"Expects strategy in {STRATEGIES} but got {strategy=}")
@@ -120,6 +132,10 @@ class ShardedRuntime:
         self.strategy = strategy
         self.reduce_bucket_bytes = reduce_bucket_bytes
         self.prefetch_bytes = prefetch_bytes
+        self.overlap = overlap
+        self._gathering: dict[UnitRuntime, list[comm.Pending]] = {}  # started, not waited
+        self._reducing: list[tuple[comm.Pending, int]] = []  # (reduce, its input bytes)
+        self.peak_reducing_bytes = 0  # most unsharded gradient bytes in reductions at once
         self._forward_order: list[UnitRuntime] = []  # as the last forward ran them
         self._backward_order: list[UnitRuntime] = []  # as the last backward reached them
         self._recording: list[UnitRuntime] = []
@@ -168,17 +184,48 @@ class ShardedRuntime:
                 self._start_forward()
             if unit not in self._recording:
                 self._recording.append(unit)
-            if unit.needs_gather:
-                self.unshard_together(self._with_followers(unit, self._forward_order))
+            self._gather_for_use(unit, self._forward_order)
             unit.install_views(track_use=torch.is_grad_enabled())
             return None if unit.policy is None else unit.policy.cast_inputs(args, kwargs)
 
         return hook
 
+    def _gather_for_use(self, unit: UnitRuntime, order: Sequence[UnitRuntime]) -> None:
+        """Make ``unit`` gathered (waiting for its prefetch, or gathering its window now),
+        then start gathering the next window if ``unit`` ends the current one."""
+        self._wait_for_gather(unit)
+        if unit.needs_gather:
+            self.unshard_together(self._with_followers(unit, order))
+        if not (self.overlap and self.strategy == "full" and unit in order):
+            return
+        position = order.index(unit) + 1
+        if position == len(order):
+            return
+        following = order[position]
+        if (
+            following not in self._gathering
+            and following.needs_gather
+            and following.unsharded_bytes <= self.prefetch_bytes
+        ):
+            window = self._with_followers(following, order)
+            pendings = self.unshard_together(window, async_op=True)
+            for member in window:
+                self._gathering[member] = pendings
+
+    def _wait_for_gather(self, unit: UnitRuntime) -> None:
+        for pending in self._gathering.pop(unit, ()):
+            pending.wait()
+
+    def wait_for_gathers(self) -> None:
+        """Wait for every gather started ahead (e.g. prefetched but not used)."""
+        for unit in list(self._gathering):
+            self._wait_for_gather(unit)
+
     def _start_forward(self) -> None:
         if self._recording:
             self._forward_order = self._recording
         self._recording = []
+        self.wait_for_gathers()
         if self.strategy == "grad_op" and torch.is_grad_enabled():
             # Every unit stays gathered from its forward to the end of backward, so
             # gathering all at once costs no extra memory and one collective per dtype.
@@ -196,15 +243,18 @@ class ShardedRuntime:
         for follower in order[order.index(unit) + 1 :]:
             if follower.unsharded_bytes > budget:
                 break
-            if follower.needs_gather:
+            if follower.needs_gather and follower not in self._gathering:
                 chosen.append(follower)
                 budget -= follower.unsharded_bytes
         return chosen
 
-    def unshard_together(self, units: Sequence[UnitRuntime]) -> None:
+    def unshard_together(
+        self, units: Sequence[UnitRuntime], async_op: bool = False
+    ) -> list[comm.Pending]:
         """Gather the storages of ``units`` that need it (not gathered, or stale): one
         collective per compute dtype (a replicated storage only casts)."""
         by_dtype: dict[torch.dtype, list[FlatStorage]] = {}
+        pendings = []
         for unit in units:
             for storage in unit.storages_to_gather():
                 if storage.replicated:
@@ -213,10 +263,11 @@ class ShardedRuntime:
                     by_dtype.setdefault(storage.compute_dtype, []).append(storage)
         for storages in by_dtype.values():
             if len(storages) == 1:
-                storages[0].unshard()
+                pendings.append(storages[0].unshard(async_op))
             else:
-                unshard_storages(storages)
+                pendings.append(unshard_storages(storages, async_op))
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
+        return pendings
 
     def _post_forward_hook(self, unit: UnitRuntime) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
@@ -247,9 +298,7 @@ class ShardedRuntime:
                 Variable._execution_engine.queue_callback(self._end_of_backward)
             if unit not in self._backward_recording:
                 self._backward_recording.append(unit)
-            if unit.needs_gather:
-                order = self._backward_order or self._forward_order[::-1]
-                self.unshard_together(self._with_followers(unit, order))
+            self._gather_for_use(unit, self._backward_order or self._forward_order[::-1])
 
         return hook
 
@@ -282,15 +331,28 @@ class ShardedRuntime:
             self._flush(grad.dtype)
 
     def _flush(self, dtype: torch.dtype) -> None:
-        """One collective for every gradient waiting in the bucket of ``dtype``."""
+        """One collective for every gradient waiting in the bucket of ``dtype`` (started,
+        with overlap; waited for when too many run)."""
         pending = self._pending.pop(dtype, [])
         if not pending:
             return
-        reduce_gradients([storage for storage, _ in pending], [grad for _, grad in pending])
+        grads = [grad for _, grad in pending]
+        started = reduce_gradients([storage for storage, _ in pending], grads, self.overlap)
+        self._reducing.append((started, sum(g.numel() * g.element_size() for g in grads)))
+        self.peak_reducing_bytes = max(
+            self.peak_reducing_bytes, sum(size for _, size in self._reducing)
+        )
+        while len(self._reducing) > (REDUCES_IN_FLIGHT if self.overlap else 0):
+            self._reducing.pop(0)[0].wait()
+
+    def _wait_for_reduces(self) -> None:
+        while self._reducing:
+            self._reducing.pop(0)[0].wait()
 
     def _end_of_backward(self) -> None:
         self._backward_order, self._backward_recording = self._backward_recording, []
         self._final_callback_queued = False
+        self.wait_for_gathers()
         if self.reshard_after_backward:
             for unit in self.units:
                 unit.reshard()
@@ -303,6 +365,7 @@ class ShardedRuntime:
                 self._add_pending(storage, accumulated)
         for dtype in list(self._pending):
             self._flush(dtype)
+        self._wait_for_reduces()
         _accumulating.discard(self)
         self._combine_used()
 

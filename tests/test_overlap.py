@@ -1,0 +1,184 @@
+"""Overlap: asynchronous gathers and reductions give bit-for-bit the results of the
+synchronous runtime, with the same collectives, bounded memory in flight, also when one
+rank computes slower; and the native collectives NCCL uses work on gloo too."""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections import Counter
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import groupshard as gs
+from groupshard import comm, runtime
+from groupshard.model import Block
+
+from helpers import (
+    BATCH_PER_RANK,
+    UNITS,
+    EdgeGPT,
+    equivalence_case,
+    global_batches,
+    max_difference,
+    three_groups,
+)
+
+COUNTED = ("all_gather", "reduce_scatter_mean", "all_reduce_mean", "all_reduce_max")
+
+
+class SlowOnRankOne(Block):
+    """A block that takes longer on rank 1, so its collectives start late there."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if dist.get_rank() == 1:
+            time.sleep(0.01)
+        return super().forward(x)
+
+
+def train_case(
+    rank: int,
+    world_size: int,
+    strategy: str,
+    overlap: bool,
+    bucket_bytes: int = 4096,
+    prefetch_bytes: int = 8192,
+    slow: bool = False,
+    steps: int = 5,
+) -> dict[str, Any]:
+    """Train a few steps; the final weights, the collectives of the last step (and how
+    many were asynchronous), and the runtime's peaks of memory in flight."""
+    torch.manual_seed(0)
+    model = EdgeGPT()
+    if slow:
+        for block in model.blocks:
+            block.__class__ = SlowOnRankOne
+    sharded = gs.shard(
+        model, three_groups(model, 1e-3), unit=UNITS, strategy=strategy, overlap=overlap,
+        reduce_bucket_bytes=bucket_bytes, prefetch_bytes=prefetch_bytes,
+    )  # fmt: skip
+    optimizer = torch.optim.AdamW(sharded.optimizer_groups(), lr=3e-3)
+    counts: Counter[str] = Counter()
+
+    def counted(name: str) -> Any:
+        original = getattr(comm, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            counts[name] += 1
+            if inspect.signature(original).bind(*args, **kwargs).arguments.get("async_op"):
+                counts[f"{name} async"] += 1
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    batches = global_batches(steps, world_size)
+    for step, (inputs, targets) in enumerate(batches):
+        local = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
+        last = step == len(batches) - 1
+        patches = {name: counted(name) if last else getattr(comm, name) for name in COUNTED}
+        with mock.patch.multiple(comm, **patches):
+            sharded(inputs[local], targets[local]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    state = sharded.groupshard.runtime
+    largest_unit = max(unit.unsharded_bytes for unit in state.units)
+    return {
+        "weights": gs.full_state_dict(sharded),
+        "counts": dict(counts),
+        "peak_gathered": state.peak_gathered_bytes,
+        "peak_reducing": state.peak_reducing_bytes,
+        "root_bytes": state.units[0].unsharded_bytes,
+        "largest_unit": largest_unit,
+        "largest_gradient": max(
+            s.layout.trainable_unsharded_numel * 4 for s in sharded.groupshard.storages
+        ),
+    }
+
+
+def _bitwise_equal(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> bool:
+    return sorted(first) == sorted(second) and all(torch.equal(first[k], second[k]) for k in first)
+
+
+@pytest.mark.parametrize(
+    "world_size, strategy",
+    [(2, "full"), (3, "full"), (2, "grad_op"), (3, "grad_op"), (2, "no_shard"), (3, "no_shard")],
+)
+def test_overlap_is_bitwise_the_same_training(run_ranks, world_size, strategy):
+    on = run_ranks(world_size, train_case, strategy, True)
+    off = run_ranks(world_size, train_case, strategy, False)
+    for with_overlap, without in zip(on, off, strict=True):
+        assert _bitwise_equal(with_overlap["weights"], without["weights"])
+        # the same collectives; with overlap, reductions (and full's prefetches) run async
+        plain = {k: v for k, v in with_overlap["counts"].items() if not k.endswith("async")}
+        assert plain == without["counts"], (with_overlap["counts"], without["counts"])
+        assert not any(k.endswith("async") for k in without["counts"])
+        assert (
+            with_overlap["counts"].get("reduce_scatter_mean async", 0)
+            + with_overlap["counts"].get("all_reduce_mean async", 0)
+            > 1
+        )
+        if strategy == "full":
+            assert with_overlap["counts"].get("all_gather async", 0) > 0
+
+
+def test_a_slow_rank_changes_nothing(run_ranks):
+    slow = run_ranks(2, train_case, "full", True, 4096, 8192, True)
+    reference = run_ranks(2, train_case, "full", False)
+    for with_slow, without in zip(slow, reference, strict=True):
+        assert _bitwise_equal(with_slow["weights"], without["weights"])
+
+
+@pytest.mark.parametrize("strategy", ["full", "grad_op", "no_shard"])
+def test_memory_in_flight_is_bounded(run_ranks, strategy):
+    """Gathered: the root (kept), the unit computing and a prefetch window of at most
+    prefetch_bytes. Gradients reducing: at most REDUCES_IN_FLIGHT buckets, each less than
+    reduce_bucket_bytes plus one unit's gradient."""
+    prefetch, bucket = 8192, 4096
+    for result in run_ranks(2, train_case, strategy, True, bucket, prefetch):
+        if strategy == "full":
+            bound = result["root_bytes"] + result["largest_unit"] + prefetch
+            assert result["peak_gathered"] <= bound, result
+        gradient_bound = runtime.REDUCES_IN_FLIGHT * (bucket + result["largest_gradient"])
+        assert 0 < result["peak_reducing"] <= gradient_bound, result
+
+
+def native_case(rank: int, world_size: int, strategy: str, overlap: bool) -> float:
+    """gloo's all_gather_into_tensor / reduce_scatter_tensor, the path NCCL takes."""
+    comm.GLOO_EMULATION["enabled"] = False
+    try:
+        original = gs.shard
+
+        def shard(*args: Any, **kwargs: Any) -> Any:
+            return original(*args, overlap=overlap, **kwargs)
+
+        with mock.patch.object(gs, "shard", shard):
+            return equivalence_case(rank, world_size, strategy, "adamw", 4)
+    finally:
+        comm.GLOO_EMULATION["enabled"] = True
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("strategy", ["full", "grad_op", "no_shard"])
+def test_native_collectives_on_gloo(run_ranks, strategy, overlap):
+    assert max(run_ranks(3, native_case, strategy, overlap)) <= 1e-5
+
+
+def test_overlap_must_be_a_bool():
+    with pytest.raises(TypeError, match="overlap"):
+        gs.shard(EdgeGPT(), None, unit=UNITS, overlap="yes")  # type: ignore[arg-type]
+
+
+def test_equal_to_one_process_with_overlap(run_ranks):
+    for result in run_ranks(2, train_case, "full", True):
+        torch.manual_seed(0)
+        reference = EdgeGPT()
+        optimizer = torch.optim.AdamW(three_groups(reference, 1e-3), lr=3e-3)
+        for inputs, targets in global_batches(5, 2):
+            reference(inputs, targets).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert max_difference(result["weights"], reference.state_dict()) <= 1e-5
