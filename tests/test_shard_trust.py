@@ -162,12 +162,13 @@ def test_branch_used_on_one_rank_moves_as_in_ddp(run_ranks, strategy):
 
 
 def freeze_case(rank: int, world_size: int, strategy: str) -> dict[str, float]:
-    """Freeze a parameter (through the original tensor) and a whole unit (through its
-    module) after two steps: as on one process, they stop moving and keep their state."""
+    """Freeze a parameter (through its name, which outside forward is the user's tensor)
+    and a whole unit (through its module) after two steps: as on one process, they stop
+    moving and keep their state."""
     torch.manual_seed(0)
     model = EdgeGPT()
     reference = copy.deepcopy(model)
-    original = model.blocks[1].fc.weight  # the user's tensor, emptied by gs.shard
+    original = model.blocks[1].fc.weight  # the user's tensor, holding its piece after gs.shard
     sharded = gs.shard(model, three_groups(model, 1e-2), unit=UNITS, strategy=strategy)
     opt = torch.optim.AdamW(sharded.optimizer_groups(), lr=1e-2)
     reference_opt = torch.optim.AdamW(three_groups(reference, 1e-2), lr=1e-2)
@@ -175,7 +176,8 @@ def freeze_case(rank: int, world_size: int, strategy: str) -> dict[str, float]:
     frozen_before: dict[str, torch.Tensor] = {}
     for step in range(5):
         if step == 2:
-            original.requires_grad_(False)
+            assert sharded.blocks[1].fc.weight is original  # outside forward: its piece
+            sharded.blocks[1].fc.weight.requires_grad_(False)
             sharded.blocks[0].requires_grad_(False)
             reference.blocks[1].fc.weight.requires_grad_(False)
             reference.blocks[0].requires_grad_(False)
@@ -321,16 +323,25 @@ def test_frozen_parameter_cannot_be_unfrozen_silently():
         sharded(inputs, inputs)
 
 
-def test_a_view_cannot_be_frozen_silently():
-    """``model.<module>.<name>`` is a view of the gathered buffer, not a parameter:
-    requires_grad_(False) on it raises (after any forward, with or without grad)."""
+def test_a_name_outside_forward_is_the_users_parameter():
+    """After a forward (with or without grad, and before any), ``model.<module>.<name>``
+    is the user's parameter object holding this rank's piece, a leaf: freezing it works."""
     torch.manual_seed(0)
-    sharded = gs.shard(EdgeGPT(), None, unit=UNITS)
+    model = EdgeGPT()
+    original = model.blocks[0].fc.weight
+    sharded = gs.shard(model, None, unit=UNITS)
+    assert sharded.blocks[0].fc.weight is original
     inputs = torch.zeros(1, 8, dtype=torch.long)
     with torch.no_grad():
         sharded(inputs)
-    with pytest.raises(RuntimeError, match="leaf variables"):
-        sharded.blocks[0].fc.weight.requires_grad_(False)
+    assert sharded.blocks[0].fc.weight is original and original.is_leaf
+    sharded.blocks[0].fc.weight.requires_grad_(False)
+    assert [
+        frozen
+        for s in sharded.groupshard.storages
+        for frozen, p in zip(s.frozen_flags(), s.trainable_originals, strict=True)
+        if p is original
+    ] == [True]
 
 
 def test_a_step_that_raises_leaves_no_hold_behind():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -34,8 +35,9 @@ class ShardingState:
         self.groups = groups
         self.plan = plan
         self.runtime = runtime
-        self.original_params = original_params  # FQN -> the user's tensor, storage freed
+        self.original_params = original_params  # FQN -> the user's tensor, now its piece
         self.ranks = ranks
+        self.originals_registered = False  # inside summon_full_params / originals_installed
 
     @property
     def storages(self) -> list[FlatStorage]:
@@ -67,6 +69,60 @@ class ShardedModule(nn.Module):
             {"params": state.shards_of_group(group.index), **group.options}
             for group in state.groups.groups
         ]
+
+    def state_dict(  # type: ignore[override]
+        self, *, destination: Any = None, prefix: str = "", keep_vars: bool = False
+    ) -> dict[str, Any]:
+        """The unsharded model's state dict, under its original names (FSDP1's default
+        ``FULL_STATE_DICT``): a collective, every rank must call it, and every rank gets
+        the whole model (use ``gs.full_state_dict(model, rank0_only=True)`` to keep it
+        on rank 0 only). Inside ``summon_full_params``: the summoned parameters."""
+        if self.groupshard.originals_registered:
+            return super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        from groupshard.statedict import full_state_dict
+
+        full = full_state_dict(self)
+        if destination is None:
+            destination = OrderedDict()
+        for name, value in full.items():
+            destination[prefix + name] = value
+        return destination
+
+    def load_state_dict(  # type: ignore[override]
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """Load an unsharded state dict (original names, full shapes; e.g. saved by
+        single-process training) into the shards. Every rank passes the whole dict.
+
+        ``strict=False`` keeps the current values of missing entries (gathered: then a
+        collective) and returns them with the unexpected ones, as torch does.
+        """
+        from torch.nn.modules.module import _IncompatibleKeys
+
+        from groupshard.statedict import full_state_dict, load_full_state_dict
+
+        if assign:
+            raise ValueError(
+                "load_state_dict(assign=True) would replace the parameters of a sharded "
+                "model; load with assign=False (values are copied into the shards)."
+            )
+        # torch's set_model_state_dict passes the model's own parameters (our shards)
+        # through beside the entries it loads: skip exactly those.
+        shards = dict(self.named_parameters())
+        state_dict = {
+            name: value
+            for name, value in state_dict.items()
+            if not (name in shards and value is shards[name])
+        }
+        missing: list[str] = []
+        unexpected: list[str] = []
+        if not strict:
+            current = full_state_dict(self)
+            missing = [name for name in current if name not in state_dict]
+            unexpected = [name for name in state_dict if name not in current]
+            state_dict = {name: state_dict.get(name, value) for name, value in current.items()}
+        load_full_state_dict(self, state_dict)
+        return _IncompatibleKeys(missing, unexpected)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         """Refuse ``to(dtype)``, ``half()``, ``double()``, ``type(...)``... (all go through
@@ -198,6 +254,7 @@ def _shard_attr_name(buffer_group: int, dtype: torch.dtype) -> str:
 
 def _swap_in_originals(state: ShardingState, data: Mapping[str, torch.Tensor]) -> None:
     """Register the user's original parameters again, holding ``data``, instead of the shards."""
+    state.originals_registered = True
     for unit in state.runtime.units:
         for storage in unit.storages:
             for buffer in storage.layout.buffers:
@@ -242,14 +299,14 @@ def _write_back(state: ShardingState, masters: list[torch.Tensor]) -> None:
 
 
 def _swap_out_originals(state: ShardingState) -> None:
+    state.originals_registered = False
     for unit in state.runtime.units:
         for storage in unit.storages:
             for fqn in storage.layout.fqns:
-                original = state.original_params[fqn]
-                original.data = original.data.new_empty(0)
                 for module, attr in unit.places[fqn]:
                     module._parameters.pop(attr, None)
             _register_shards(unit.module, storage)
+        unit.install_local_pieces()
 
 
 def _register_shards(module: nn.Module, storage: FlatStorage) -> None:
@@ -456,15 +513,15 @@ def _build_state(
         ]
         owned = [fqn for fqn, owner in plan.owner.items() if owner == name]
         places = {fqn: [(modules[m], attr) for m, attr in plan.registrations[fqn]] for fqn in owned}
-        units.append(UnitRuntime(name, modules[name], storages, places, policies[name]))
+        originals = {fqn: params[fqn] for fqn in owned}
+        units.append(UnitRuntime(name, modules[name], storages, places, originals, policies[name]))
     for unit in units:
         for registrations in unit.places.values():
             for module, attr in registrations:
                 del module._parameters[attr]
         for storage in unit.storages:
             _register_shards(unit.module, storage)
-    for param in params.values():
-        param.data = param.data.new_empty(0)
+        unit.install_local_pieces()
     runtime = ShardedRuntime(units, **runtime_options)
     runtime.register_hooks()
     return ShardingState(groups, plan, runtime, params, ranks)

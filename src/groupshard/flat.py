@@ -246,6 +246,22 @@ class FlatStorage:
             )
 
     @cached_property
+    def local_pieces(self) -> dict[str, torch.Tensor]:
+        """Each parameter's part of this rank's shards, by FQN, as a view of ``local``:
+        1-D and possibly empty when sharded, the whole parameter in its shape when
+        replicated. Never stale: the optimizer updates ``local`` in place."""
+        pieces: dict[str, torch.Tensor] = {}
+        for index, buffer in enumerate(self.layout.buffers):
+            local_start, _ = self.layout.local_range(index)
+            start, end = buffer.shard_range(self.shard_rank)
+            for slot in buffer.params:
+                first = max(slot.offset, start)
+                last = max(first, min(slot.offset + slot.numel, end))
+                piece = self.local[local_start + first - start : local_start + last - start]
+                pieces[slot.fqn] = piece.view(slot.shape) if self.replicated else piece
+        return pieces
+
+    @cached_property
     def trainable_shards(self) -> list[nn.Parameter]:
         return [
             s for s, b in zip(self.shards, self.layout.buffers, strict=True) if b.group_index >= 0

@@ -73,12 +73,14 @@ class UnitRuntime:
         module: nn.Module,
         storages: Sequence[FlatStorage],
         places: dict[str, list[tuple[nn.Module, str]]],
+        originals: dict[str, nn.Parameter],
         policy: MixedPrecision | None = None,
     ) -> None:
         self.name = name
         self.module = module
         self.storages = list(storages)
         self.places = places  # FQN -> [(module, attribute)], every registration
+        self.originals = originals  # FQN -> the user's parameter object
         self.policy = policy
 
     def storages_to_gather(self) -> list[FlatStorage]:
@@ -99,8 +101,21 @@ class UnitRuntime:
         )
 
     def reshard(self) -> None:
+        """Free the gathered buffers; the parameters' names show this rank's pieces."""
         for storage in self.storages:
             storage.reshard()
+        self.install_local_pieces()
+
+    def install_local_pieces(self) -> None:
+        """Point every registration of the unit's parameters at the user's parameter
+        object holding this rank's piece (``FlatStorage.local_pieces``), as FSDP1's
+        ``use_orig_params``: outside forward, ``module.weight`` is never stale."""
+        for storage in self.storages:
+            for fqn, piece in storage.local_pieces.items():
+                original = self.originals[fqn]
+                original.data = piece
+                for module, attr in self.places[fqn]:
+                    module.__dict__[attr] = original
 
     def install_views(self, track_use: bool) -> None:
         """Point every registration of the unit's parameters at the unsharded views;
@@ -353,9 +368,11 @@ class ShardedRuntime:
         self._backward_order, self._backward_recording = self._backward_recording, []
         self._final_callback_queued = False
         self.wait_for_gathers()
-        if self.reshard_after_backward:
-            for unit in self.units:
+        for unit in self.units:
+            if self.reshard_after_backward:
                 unit.reshard()
+            else:
+                unit.install_local_pieces()
         if not self.requires_gradient_sync:
             return
         # sums from backwards without sync whose storage this backward did not reach

@@ -67,7 +67,7 @@ def _expected_entries(model: ShardedModule) -> dict[str, tuple[str | None, torch
     for fqn, places in state.plan.registrations.items():
         for module_name, attr in places:
             entries[f"{module_name}.{attr}" if module_name else attr] = (fqn, slots[fqn])
-    for name, tensor in model.state_dict(keep_vars=True).items():
+    for name, tensor in nn.Module.state_dict(model, keep_vars=True).items():
         if not isinstance(tensor, nn.Parameter):  # the shards are the only parameters left
             entries[name] = (None, tensor.shape)
     return entries
