@@ -278,6 +278,9 @@ def test_help_and_argument_errors_answer_without_importing_torch():
         "argument --timeout: expected a number, got 'soon'": ["--timeout", "soon"],
         "--weight-decay must be 0 or more, got -0.1": ["--weight-decay=-0.1"],
         "--steps must be at least 1": ["--steps", "0"],
+        "--grad-accum must be at least 1, got 0": ["--grad-accum", "0"],
+        "argument --grad-accum: invalid int value: '1.5'": ["--grad-accum", "1.5"],
+        "--precision bf16 needs groupshard's sharding": ["--zero", "--precision", "bf16"],
     }
     for expected, args in cases.items():
         started = time.perf_counter()
@@ -422,3 +425,40 @@ def test_summary_has_baselines_groups_and_a_sample_from_the_validation_text(unin
     assert len(text) >= written["prompt_bytes"] + written["new_bytes"]  # U+FFFD is 3 bytes
     prompt = text[: written["prompt_bytes"]]
     assert prompt.startswith(b"def ") and prompt in bytes(validation.tolist())
+
+
+def test_bf16_with_grad_accum_trains_records_both_and_resumes_only_alike(tmp_path):
+    from groupshard.cli import data as corpus
+    from groupshard.cli.train import PRESETS
+    from groupshard.model import GPT
+
+    out = str(tmp_path / "run")
+    options = ["--precision", "bf16", "--grad-accum", "2"]
+    groupshard("train", *TINY, "--steps", "6", "--eval-every", "3", *options, "--out", out)
+    rows = _rows(out)
+    assert [(r["precision"], r["grad_accum"]) for r in rows] == [("bf16", 2)] * 6
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.5  # it learns
+    with open(os.path.join(out, "summary.json")) as handle:
+        summary = json.load(handle)
+    assert (summary["config"]["precision"], summary["config"]["grad_accum"]) == ("bf16", 2)
+    assert math.isfinite(summary["val_loss"])
+    # step 1 (before any update): the loss is the mean over 2 ranks x 2 micro-batches, the
+    # gradient that of their mean (all four summed, each / 2, reduced once), as in fp32
+    torch.manual_seed(0)
+    model = GPT(PRESETS["tiny"])
+    train = corpus.split(corpus.load_corpus(None))[0]
+    batches = [corpus.batch(train, 64, 4, 0, micro, rank) for rank in (0, 1) for micro in (0, 1)]
+    loss = torch.stack([model(*batch) for batch in batches]).mean()
+    loss.backward()
+    assert rows[0]["loss"] == pytest.approx(loss.item(), rel=1e-3)
+    for name, group in zip(["decay", "no_decay"], gs.decay_groups(model, 0.1), strict=True):
+        norm = math.sqrt(sum(float(p.grad.norm()) ** 2 for p in group["params"]))
+        assert rows[0][f"grad_norm/{name}"] == pytest.approx(norm, rel=1e-2), name
+    # --precision goes the same way (both are in TrainConfig.identity())
+    resumed = ["--precision", "bf16", "--grad-accum", "1", "--steps", "8", "--resume"]
+    result = groupshard("train", *TINY, *resumed, "--out", out, check=False)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines() == [
+        f"groupshard train: error: --resume: the checkpoint in {out} is from another run "
+        "(--grad-accum 2, not 1)"
+    ]

@@ -74,7 +74,7 @@ class GPT(nn.Module):
             nn.init.normal_(module.bias, mean=0.0, std=0.02)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits, or the mean cross-entropy when ``targets`` is given."""
+        """Logits, or the mean cross-entropy (float32) when ``targets`` is given."""
         positions = torch.arange(idx.shape[1], device=idx.device)
         x = self.wte(idx) + self.wpe(positions)
         for block in self.blocks:
@@ -82,7 +82,8 @@ class GPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+        # in float32 whatever the model computes in (bf16 logits would round the loss)
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
 
     @torch.no_grad()
     def generate(

@@ -138,11 +138,13 @@ def settings(summary: dict[str, Any]) -> str:
     """The run's settings in one line, for the plot's title."""
     config = summary["config"]
     mode = "DDP + ZeRO-1" if config["zero"] else f"strategy {config['strategy']}"
+    accum = config.get("grad_accum", 1)
+    batch = f"batch {config['batch_size']}" + (f" x {accum} micro-batches" if accum > 1 else "")
     return (
         f"model {config['model']} ({summary['parameters_total']:,} parameters), "
-        f"{config['optimizer']}, {mode}, {summary['world_size']} processes, "
-        f"{summary['steps']} steps, lr {config['lr']:g}, batch {config['batch_size']} per rank, "
-        f"weight decay {config['weight_decay']:g}, clip {config['clip']:g}"
+        f"{config['optimizer']}, {mode}, {config.get('precision', 'fp32')}, "
+        f"{summary['world_size']} processes, {summary['steps']} steps, lr {config['lr']:g}, "
+        f"{batch} per rank, weight decay {config['weight_decay']:g}, clip {config['clip']:g}"
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import os
@@ -33,6 +34,8 @@ PRESETS = {
 }
 CHECKPOINT = "checkpoint"
 ZERO_CHECKPOINT = "zero.pt"  # inside CHECKPOINT: the --zero run's plain torch.save file
+# identity keys that older checkpoints lack, with the value every run then had
+IDENTITY_BEFORE_RECORDED = {"precision": "fp32", "grad_accum": 1}
 
 
 @dataclass(frozen=True)
@@ -55,10 +58,18 @@ class TrainConfig:
     eval_every: int
     clip: float
     timeout: float  # seconds a collective may wait for the other ranks
+    precision: str = "fp32"  # "fp32" or "bf16" (units compute in bf16, fp32 masters)
+    grad_accum: int = 1  # micro-batches per rank and optimizer step
 
     def identity(self) -> dict[str, Any]:
         """What a checkpoint must share with the run that resumes it."""
-        return {"model": self.model, "optimizer": self.optimizer, "zero": self.zero}
+        return {
+            "model": self.model,
+            "optimizer": self.optimizer,
+            "zero": self.zero,
+            "precision": self.precision,
+            "grad_accum": self.grad_accum,
+        }
 
 
 def optimizer_spec(name: str, lr: float) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
@@ -135,7 +146,14 @@ class Run:
             )
             self.local_params = self.total_params
         else:
-            self.model = gs.shard(model, groups, unit=Block, strategy=config.strategy)
+            precision = (
+                gs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                if config.precision == "bf16"
+                else None
+            )
+            self.model = gs.shard(
+                model, groups, unit=Block, strategy=config.strategy, mixed_precision=precision
+            )
             self.optimizer = optimizer_class(self.model.optimizer_groups(), **kwargs)
             self.local_params = sum(s.local.numel() for s in self.model.groupshard.storages)
         for group in self.optimizer.param_groups:
@@ -170,11 +188,19 @@ class Run:
         else:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip)
 
-    def batch(self, data: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, data: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's micro-batch ``index`` (step x --grad-accum + micro-batch; the
+        validation batches are negative)."""
         block = self.model_config.block_size
         return corpus.batch(
-            data, block, self.config.batch_size, self.config.seed, step, self.ranks.rank
+            data, block, self.config.batch_size, self.config.seed, index, self.ranks.rank
         )
+
+    def no_sync(self, micro_batch: int) -> contextlib.AbstractContextManager[Any]:
+        """No gradient communication for every micro-batch of a step but its last."""
+        if micro_batch == self.config.grad_accum - 1:
+            return contextlib.nullcontext()
+        return self.model.no_sync()
 
     @torch.no_grad()
     def validation_loss(self, batches: int = 4) -> float:
@@ -270,15 +296,19 @@ def _log(out: Path, row: dict[str, Any]) -> None:
 def _step(
     run: Run, step: int, tokens_per_step: int, eval_every: int
 ) -> tuple[dict[str, Any], str | None]:
-    """Train one step; return its log row and what was not finite (then nothing was updated),
-    the same on every rank."""
+    """Train one step (--grad-accum micro-batches, one optimizer step); return its log row
+    and what was not finite (then nothing was updated), the same on every rank."""
     config, tick = run.config, time.perf_counter()
     for group in run.optimizer.param_groups:
         group["lr"] = group["base_lr"] * lr_factor(step, run.schedule_steps)
-    loss = run.model(*run.batch(run.train_data, step))
-    loss.backward()
+    accum, losses = config.grad_accum, []
+    for micro in range(accum):
+        with run.no_sync(micro):  # the last backward reduces the sum of all of them
+            loss = run.model(*run.batch(run.train_data, step * accum + micro))
+            (loss / accum).backward()  # the gradient of the K-times larger batch's mean
+        losses.append(loss.detach())
     grad_norms = dict(zip(run.group_names, run.group_grad_norms(), strict=True))
-    mean_loss = loss.detach().clone()
+    mean_loss = torch.stack(losses).mean()
     comm.all_reduce_mean(mean_loss, run.ranks)  # not finite on all ranks if on any
     problem = nonfinite(mean_loss.item(), grad_norms)
     if problem is None:
@@ -290,6 +320,8 @@ def _step(
         "loss": mean_loss.item(),
         "lr": run.optimizer.param_groups[0]["lr"],
         "tokens_per_s": tokens_per_step / (time.perf_counter() - tick),
+        "precision": config.precision,
+        "grad_accum": accum,
     }
     row.update({f"grad_norm/{name}": norm for name, norm in grad_norms.items()})
     groups = zip(run.group_names, run.optimizer.param_groups, strict=True)
@@ -327,7 +359,9 @@ def train(
     start = run.load() if config.resume else 0
     if config.resume and ranks.rank == 0:
         report.keep_rows_up_to(out, start)  # rows past the checkpoint are logged again
-    tokens_per_step = config.batch_size * run.model_config.block_size * ranks.size
+    tokens_per_step = (
+        config.batch_size * config.grad_accum * run.model_config.block_size * ranks.size
+    )
     eval_every = config.eval_every or max(1, config.steps // 5)
     step, status, failure = start, "finished", None
     last_saved = start if config.resume else None
