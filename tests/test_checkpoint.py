@@ -92,6 +92,7 @@ def resume_case(rank, world_size, path, unit_name, strategy):
     ("save_at", "load_at", "unit", "strategy"),
     [
         (4, 2, "blocks", "full"),
+        (3, 2, "blocks", "full"),
         (4, 1, "root", "full"),
         (2, 3, "block only", "grad_op"),
         (2, 2, "blocks", "no_shard"),

@@ -281,6 +281,7 @@ def test_help_and_argument_errors_answer_without_importing_torch():
         "--grad-accum must be at least 1, got 0": ["--grad-accum", "0"],
         "argument --grad-accum: invalid int value: '1.5'": ["--grad-accum", "1.5"],
         "--precision bf16 needs groupshard's sharding": ["--zero", "--precision", "bf16"],
+        "--init meta needs groupshard's sharding": ["--zero", "--init", "meta"],
     }
     for expected, args in cases.items():
         started = time.perf_counter()
@@ -433,7 +434,7 @@ def test_bf16_with_grad_accum_trains_records_both_and_resumes_only_alike(tmp_pat
     from groupshard.model import GPT
 
     out = str(tmp_path / "run")
-    options = ["--precision", "bf16", "--grad-accum", "2"]
+    options = ["--precision", "bf16", "--grad-accum", "2", "--init", "full"]  # eager: as below
     groupshard("train", *TINY, "--steps", "6", "--eval-every", "3", *options, "--out", out)
     rows = _rows(out)
     assert [(r["precision"], r["grad_accum"]) for r in rows] == [("bf16", 2)] * 6

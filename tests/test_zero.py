@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,8 +14,10 @@ from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import groupshard as gs
+from groupshard.checkpoint import reader
+from test_checkpoint import GLOBAL_BATCH, RESUME_AT, batches, lr_lambda
 
-from helpers import BATCH_PER_RANK, EdgeGPT, global_batches, max_difference
+from helpers import BATCH_PER_RANK, UNITS, EdgeGPT, global_batches, max_difference
 
 TOLERANCE = 1e-5
 
@@ -315,3 +320,105 @@ def test_balance_by_element_and_same_result_as_torch(run_ranks, world_size):
     print(f"\nworld size {world_size}: state bytes per rank groupshard {ours}, torch {theirs}")
     assert max(theirs) / min(theirs) > 1.5  # torch's whole-parameter partition, for comparison
     assert all(r[2] <= TOLERANCE for r in results)
+
+
+def test_zero_imports_neither_the_model_front_end_nor_state_dicts():
+    probe = "import sys, groupshard.zero; print(sorted(m for m in sys.modules if 'group' in m))"
+    command = [sys.executable, "-c", probe]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "groupshard.api" not in result.stdout and "groupshard.statedict" not in result.stdout
+
+
+# --- sharded checkpoints: gs.checkpoint.save(path, ddp_model, zero) ---------------------
+
+
+def _zero_run(rank, world_size, seed, slice_numel=None, bucket_view=False, **overrides):
+    torch.manual_seed(seed)
+    model = EdgeGPT()
+    zero = gs.ZeroRedundancyOptimizer(
+        two_groups(model), torch.optim.AdamW, parameters_as_bucket_view=bucket_view,
+        max_slice_numel=slice_numel, **{**OPTIMIZERS["adamw"][1], **overrides},
+    )  # fmt: skip
+    return model, DDP(model), zero
+
+
+def _train(model, optimizer, steps, rank, world_size, scheduler=None):
+    for inputs, targets in steps:
+        local = slice(rank * GLOBAL_BATCH // world_size, (rank + 1) * GLOBAL_BATCH // world_size)
+        model(inputs[local], targets[local]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+
+
+def _plain_reference():
+    """One process, torch's AdamW, never interrupted (the LR schedule for RESUME_AT steps)."""
+    torch.manual_seed(0)
+    model = EdgeGPT()
+    optimizer = torch.optim.AdamW(two_groups(model), **OPTIMIZERS["adamw"][1])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+    _train(model, optimizer, batches()[:RESUME_AT], 0, 1, scheduler)
+    _train(model, optimizer, batches()[RESUME_AT:], 0, 1)
+    return model
+
+
+def zero_save_case(rank, world_size, path):
+    _, ddp, zero = _zero_run(rank, world_size, seed=0, slice_numel=40)  # several buckets a group
+    scheduler = torch.optim.lr_scheduler.LambdaLR(zero, lr_lambda)
+    _train(ddp, zero, batches()[:RESUME_AT], rank, world_size, scheduler)
+    gs.checkpoint.save(path, ddp, zero, extra={"step": RESUME_AT})
+    return [group["lr"] for group in zero.param_groups]
+
+
+def zero_resume_case(rank, world_size, path, into):
+    """Load into ZeRO at this world size (other buckets, bucket views), or into a gs.shard
+    model with the same groups; train on; compare with a ZeRO run that never stopped and
+    with one process and torch's AdamW."""
+    if into == "zero":
+        model, trained, optimizer = _zero_run(rank, world_size, seed=123, bucket_view=True, lr=1.0)
+    else:
+        torch.manual_seed(123)
+        model = EdgeGPT()
+        trained = gs.shard(model, two_groups(model), unit=UNITS)
+        optimizer = torch.optim.AdamW(trained.optimizer_groups(), lr=1.0)
+    extra = gs.checkpoint.load(path, trained, optimizer)
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    _train(trained, optimizer, batches()[RESUME_AT:], rank, world_size)
+    state = model.state_dict() if into == "zero" else gs.full_state_dict(trained)
+    _, ddp, zero = _zero_run(rank, world_size, seed=0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(zero, lr_lambda)
+    _train(ddp, zero, batches()[:RESUME_AT], rank, world_size, scheduler)
+    _train(ddp, zero, batches()[RESUME_AT:], rank, world_size)
+    uninterrupted = max_difference(state, ddp.module.state_dict())
+    return extra["step"], lrs, uninterrupted, max_difference(state, _plain_reference().state_dict())
+
+
+@pytest.mark.parametrize("into", ["zero", "shard"])
+def test_sharded_checkpoint_at_another_world_size(run_ranks, tmp_path, into):
+    path = str(tmp_path / "ckpt")
+    saved_lrs = run_ranks(3, zero_save_case, path)[0]
+    # each rank wrote its slices: a third of the elements of the model and of each state
+    metadata = reader.read_metadata(Path(path))
+    written: dict[tuple[str, str], int] = {}
+    for index, info in metadata.storage_data.items():
+        kind = "model" if index.fqn.startswith("model.") else index.fqn.rsplit(".", 1)[-1]
+        chunk = metadata.state_dict_metadata[index.fqn].chunks[index.index]
+        key = (kind, info.relative_path)
+        written[key] = written.get(key, 0) + chunk.sizes.numel()
+    for kind in ("model", "exp_avg", "exp_avg_sq"):
+        per_rank = [written.get((kind, f"__{rank}_0.distcp"), 0) for rank in range(3)]
+        assert max(per_rank) - min(per_rank) <= 0.2 * sum(per_rank) / 3, (kind, per_rank)
+    for step, lrs, uninterrupted, plain in run_ranks(2, zero_resume_case, path, into):
+        assert step == RESUME_AT and lrs == saved_lrs
+        assert uninterrupted <= TOLERANCE and plain <= TOLERANCE
+    if into == "zero":  # and one plain file for one process, which trains on equally
+        gs.checkpoint.to_torch_save(path, str(tmp_path / "plain.pt"))
+        saved = torch.load(str(tmp_path / "plain.pt"), weights_only=True)
+        torch.manual_seed(7)
+        continued = EdgeGPT()
+        continued.load_state_dict(saved["model"])
+        full_batches = [(inputs, targets) for inputs, targets in batches()[RESUME_AT:]]
+        _plain_continue(continued, saved["optim"], full_batches, two_groups)
+        assert max_difference(continued.state_dict(), _plain_reference().state_dict()) <= TOLERANCE

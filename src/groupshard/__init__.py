@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from groupshard import checkpoint, optim
     from groupshard.api import ShardedModule, shard, shard_optimizer
-    from groupshard.groups import decay_groups, groups_by
+    from groupshard.groups import decay_groups, groups_by, muon_groups
     from groupshard.norms import (
         clip_grad_norm_,
         clip_grad_norm_per_group_,
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
         param_norms,
     )
     from groupshard.precision import MixedPrecision
+    from groupshard.safetensors_io import save_safetensors
     from groupshard.statedict import (
         full_state_dict,
         load_full_state_dict,
@@ -36,7 +37,9 @@ _HOMES = {
     "shard_optimizer": "api",
     "decay_groups": "groups",
     "groups_by": "groups",
+    "muon_groups": "groups",
     "MixedPrecision": "precision",
+    "save_safetensors": "safetensors_io",
     "clip_grad_norm_": "norms",
     "clip_grad_norm_per_group_": "norms",
     "grad_norms": "norms",
@@ -78,10 +81,12 @@ __all__ = [
     "groups_by",
     "load_full_state_dict",
     "load_optim_state_dict",
+    "muon_groups",
     "norm_report",
     "optim",
     "optim_state_dict",
     "param_norms",
+    "save_safetensors",
     "shard",
     "shard_optimizer",
 ]

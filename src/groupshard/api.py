@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
@@ -16,6 +17,13 @@ from groupshard import comm
 from groupshard.flat import FlatStorage
 from groupshard.groups import ParamGroups, ResolvedGroups, resolve_groups
 from groupshard.layout import FROZEN_GROUP, StorageLayout, build_storage
+from groupshard.materialize import (
+    ParamInitFn,
+    check_initializable,
+    materialize_unit,
+    meta_parameters,
+    release_free_memory,
+)
 from groupshard.precision import MixedPrecision, PrecisionSpec, unit_policy
 from groupshard.runtime import STRATEGIES, ShardedRuntime, UnitRuntime
 from groupshard.units import UnitPlan, UnitSpec, plan_units
@@ -406,6 +414,8 @@ def shard(
     prefetch_bytes: int = 25 * 2**20,
     mixed_precision: PrecisionSpec = None,
     overlap: bool = True,
+    param_init_fn: ParamInitFn | None = None,
+    device: torch.device | str | None = None,
 ) -> ShardedModule:
     """Shard ``model`` in place with one flat buffer per (unit, param group, dtype).
 
@@ -433,6 +443,13 @@ def shard(
             next units' all-gather runs while a unit computes, gradient reductions while
             backward goes on); ``False`` runs each collective where it is needed, for
             debugging or comparison. Same results either way.
+        param_init_fn: for a model built on the meta device (``with
+            torch.device("meta"):``): ``f(module)`` initializes each module that holds
+            parameters or buffers, after its ``reset_parameters()`` if it has one; the
+            model is materialized and sharded one unit at a time (see
+            ``groupshard.materialize`` for the seeding rule).
+        device: where a meta-built model's shards go (default: the current CUDA device
+            with NCCL, else the CPU). A model with real parameters stays where it is.
 
     Returns:
         The same module object, now also a ``ShardedModule``.
@@ -454,10 +471,19 @@ def shard(
         groups = resolve_groups(model, param_groups, default_group)
         plan = plan_units(model, unit)
         params = dict(model.named_parameters())
+        meta = bool(meta_parameters(params))
         world_size = 1 if strategy == "no_shard" else ranks.size
         layouts = _plan_storages(groups, plan, params, world_size)
         modules = dict(model.named_modules())
         policies = {name: unit_policy(mixed_precision, name, modules[name]) for name in plan.names}
+        if not meta and (param_init_fn is not None or device is not None):
+            raise ValueError(
+                "param_init_fn and device are for a model built on the meta device; this "
+                "model's parameters are real: initialize and move it before gs.shard."
+            )
+        if meta:
+            check_initializable(model, param_init_fn)
+        target = _target_device(device, ranks) if meta else None
     except Exception as caught:  # every rank must hear of any failure
         error = caught
     comm.raise_if_any_failed(error, ranks)
@@ -471,10 +497,34 @@ def shard(
         **runtime_options,
         "sync_module_states": sync_module_states,
         "mixed_precision": {name: repr(policy) for name, policy in policies.items() if policy},
+        "built on the meta device": target is not None,
     }
     _check_same_structure(_signature(groups, layouts, model, options), ranks)
+    materialize = (
+        functools.partial(
+            materialize_unit,
+            model,
+            plan,
+            params,
+            layouts,
+            device=target,
+            param_init_fn=param_init_fn,
+            base_seed=torch.initial_seed(),
+        )
+        if target is not None
+        else None
+    )
     state = _build_state(
-        model, groups, plan, layouts, params, ranks, runtime_options, sync_module_states, policies
+        model,
+        groups,
+        plan,
+        layouts,
+        params,
+        ranks,
+        runtime_options,
+        sync_module_states,
+        policies,
+        materialize,
     )
     model.groupshard = state  # type: ignore[assignment]
     cls = model.__class__
@@ -492,13 +542,23 @@ def _build_state(
     runtime_options: dict[str, Any],
     sync_module_states: bool,
     policies: Mapping[str, MixedPrecision | None],
+    materialize: Callable[[str], tuple[list[torch.Tensor], dict[torch.dtype, torch.Tensor]]]
+    | None = None,
 ) -> ShardingState:
+    """Shard unit by unit; ``materialize(unit_name)`` first gives a meta-built unit real,
+    initialized parameters and buffers (then freed as soon as the unit is sharded)."""
     modules = dict(model.named_modules())
-    if sync_module_states:
+    if sync_module_states and materialize is None:
         for buffer in model.buffers():
             comm.broadcast(buffer.data, ranks)
     units = []
     for name in plan.names:
+        flats: dict[torch.dtype, torch.Tensor] = {}
+        if materialize is not None:
+            buffers, flats = materialize(name)
+            for buffer in buffers:
+                if sync_module_states:
+                    comm.broadcast(buffer.data, ranks)
         policy = policies[name] or MixedPrecision()
         storages = [
             FlatStorage(
@@ -508,23 +568,35 @@ def _build_state(
                 sync_module_states,
                 compute_dtype=policy.compute_dtype(layout.dtype),
                 reduce_dtype=policy.gradient_dtype(layout.dtype),
+                unsharded=flats.get(layout.dtype),
             )
             for layout in layouts[name]
         ]
         owned = [fqn for fqn, owner in plan.owner.items() if owner == name]
         places = {fqn: [(modules[m], attr) for m, attr in plan.registrations[fqn]] for fqn in owned}
         originals = {fqn: params[fqn] for fqn in owned}
-        units.append(UnitRuntime(name, modules[name], storages, places, originals, policies[name]))
-    for unit in units:
+        unit = UnitRuntime(name, modules[name], storages, places, originals, policies[name])
         for registrations in unit.places.values():
             for module, attr in registrations:
                 del module._parameters[attr]
         for storage in unit.storages:
             _register_shards(unit.module, storage)
-        unit.install_local_pieces()
+        unit.install_local_pieces()  # frees the unit's full parameters
+        units.append(unit)
+        if materialize is not None:
+            del flats
+            release_free_memory()
     runtime = ShardedRuntime(units, **runtime_options)
     runtime.register_hooks()
     return ShardingState(groups, plan, runtime, params, ranks)
+
+
+def _target_device(device: torch.device | str | None, ranks: comm.Ranks) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if ranks.backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _constructor_defaults(optimizer_class: type, defaults: Mapping[str, Any]) -> dict[str, Any]:

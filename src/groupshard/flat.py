@@ -130,14 +130,6 @@ def skipped_segments_of(tensor: torch.Tensor) -> SkippedSegments | None:
     return record if record is not None and record.applies_to(tensor) else None
 
 
-def _flatten_buffer(buffer: FlatBufferLayout, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """The unsharded, padded flat buffer built from the original parameters."""
-    first = params[buffer.params[0].fqn]
-    pieces = [params[slot.fqn].detach().reshape(-1) for slot in buffer.params]
-    pieces.append(first.new_zeros(buffer.padding_numel))
-    return torch.cat(pieces)
-
-
 def _free(tensor: torch.Tensor) -> None:
     tensor.untyped_storage().resize_(0)
 
@@ -160,6 +152,7 @@ class FlatStorage:
         sync_from_rank0: bool,
         compute_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
+        unsharded: torch.Tensor | None = None,
     ) -> None:
         self.layout = layout
         self.ranks = ranks
@@ -171,7 +164,7 @@ class FlatStorage:
         self.aliases_local = self.replicated and self.compute_dtype == layout.dtype
         device = params[layout.buffers[0].params[0].fqn].device
         self.local = torch.empty(layout.local_numel, dtype=layout.dtype, device=device)  # 1D
-        self._fill_local(params, sync_from_rank0)
+        self._fill_local(params, sync_from_rank0, unsharded)
         self.shards = [
             nn.Parameter(
                 self.local[slice(*layout.local_range(i))], requires_grad=b.group_index >= 0
@@ -209,16 +202,54 @@ class FlatStorage:
         # per trainable shard, per parameter: had a gradient on some rank since .grad was None
         self.had_grad = [[False] * len(b.params) for b in layout.trainable_buffers]
 
-    def _fill_local(self, params: Mapping[str, torch.Tensor], sync_from_rank0: bool) -> None:
-        unsharded = torch.cat([_flatten_buffer(b, params) for b in self.layout.buffers])
-        if sync_from_rank0:
-            comm.broadcast(unsharded, self.ranks)
-        offset = 0
+    @torch.no_grad()
+    def _fill_local(
+        self,
+        params: Mapping[str, torch.Tensor],
+        sync_from_rank0: bool,
+        unsharded: torch.Tensor | None,
+    ) -> None:
+        """Copy this rank's slices of the parameters into ``local``; with
+        ``sync_from_rank0``, rank 0's values, through one broadcast of the flat storage
+        (the only full-size temporary). ``unsharded``: the parameters already laid out as
+        the storage's flat buffers, end to end (``materialize``), used in place."""
+        if unsharded is None and sync_from_rank0 and self.ranks.group is not None:
+            unsharded = self.local.new_zeros(sum(b.padded_numel for b in self.layout.buffers))
+            offset = 0
+            for buffer in self.layout.buffers:
+                for slot in buffer.params:
+                    start = offset + slot.offset
+                    unsharded[start : start + slot.numel].copy_(params[slot.fqn].reshape(-1))
+                offset += buffer.padded_numel
+        if unsharded is not None:
+            if sync_from_rank0:
+                comm.broadcast(unsharded, self.ranks)
+            sources = {
+                slot.fqn: piece
+                for buffer, data in zip(
+                    self.layout.buffers,
+                    unsharded.split([b.padded_numel for b in self.layout.buffers]),
+                    strict=True,
+                )
+                for slot, piece in zip(buffer.params, data.split(buffer.split_sizes), strict=False)
+            }
+        else:
+            sources = {
+                slot.fqn: params[slot.fqn].detach().reshape(-1)
+                for buffer in self.layout.buffers
+                for slot in buffer.params
+            }
+        self.local.zero_()  # padding
         for index, buffer in enumerate(self.layout.buffers):
             start, end = buffer.shard_range(self.shard_rank)
-            local_start, local_end = self.layout.local_range(index)
-            self.local[local_start:local_end].copy_(unsharded[offset + start : offset + end])
-            offset += buffer.padded_numel
+            local_start, _ = self.layout.local_range(index)
+            for slot in buffer.params:
+                first = max(slot.offset, start)
+                last = min(slot.offset + slot.numel, end)
+                if last > first:
+                    self.local[local_start + first - start : local_start + last - start].copy_(
+                        sources[slot.fqn][first - slot.offset : last - slot.offset]
+                    )
 
     def check_shards(self) -> None:
         """Fail if a shard stopped being a view of ``local`` (e.g. ``module.half()`` on a

@@ -8,15 +8,17 @@ groups on the unsharded model. The ``load_*`` functions take those plain formats
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from groupshard import flatstate
+from groupshard import comm, flatstate
 from groupshard.api import ShardedModule, ShardingState, originals_installed
 from groupshard.flat import note_parameters_written, segments_of
+from groupshard.optimstate import plain_optimizer_state
 
 
 def _state_of(model: nn.Module, what: str) -> ShardingState:
@@ -103,12 +105,35 @@ def _check_model_state_dict(
 
 
 @torch.no_grad()
-def load_full_state_dict(model: ShardedModule, state_dict: dict[str, torch.Tensor]) -> None:
-    """Load an unsharded state dict (as ``full_state_dict`` returns) into the shards.
+def load_full_state_dict(
+    model: ShardedModule,
+    source: Mapping[str, torch.Tensor] | str | os.PathLike,
+    broadcast_from_rank0: bool = False,
+) -> int | None:
+    """Load unsharded weights into the shards, from one of:
 
-    Every rank needs the whole dict; each keeps its own slices. No collectives.
+    - a state dict (as ``full_state_dict`` returns, or a plain model's): every rank
+      passes the whole dict and keeps its own slices, no collectives; with
+      ``broadcast_from_rank0=True`` only rank 0's dict is read (the others may pass
+      ``{}``) and each flat buffer is broadcast, one at a time;
+    - a path to a safetensors file or a folder of them (Hugging Face's format): each
+      rank reads only the rows its shards hold (``groupshard.safetensors_io``) and the
+      bytes it read are returned.
     """
     state = _state_of(model, "load_full_state_dict")
+    if isinstance(source, (str, os.PathLike)):
+        from groupshard.safetensors_io import load_safetensors
+
+        return load_safetensors(model, source)
+    if not isinstance(source, Mapping):
+        raise TypeError(
+            "load_full_state_dict expects a state dict (name -> tensor) or a path to a "
+            f".safetensors file or folder, got {type(source).__name__}"
+        )
+    if broadcast_from_rank0:
+        _load_from_rank0(model, source)
+        return None
+    state_dict = dict(source)
     expected = _expected_entries(model)
     _check_model_state_dict(expected, state_dict)
     by_fqn = {fqn: state_dict[name] for name, (fqn, _) in expected.items() if fqn}
@@ -121,6 +146,43 @@ def load_full_state_dict(model: ShardedModule, state_dict: dict[str, torch.Tenso
     for name, (fqn, _) in expected.items():
         if fqn is None and name in buffers:
             buffers[name].copy_(state_dict[name])
+    return None
+
+
+def _load_from_rank0(model: ShardedModule, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Rank 0 checks and flattens each buffer of ``state_dict``; one broadcast per flat
+    buffer and model buffer gives every rank its slices."""
+    state = model.groupshard
+    expected = _expected_entries(model)
+    error: BaseException | None = None
+    if state.ranks.rank == 0:
+        try:
+            _check_model_state_dict(expected, dict(state_dict))
+        except ValueError as caught:
+            error = caught
+    comm.raise_if_any_failed(error, state.ranks)
+    by_fqn = (
+        {fqn: state_dict[name] for name, (fqn, _) in expected.items() if fqn}
+        if (state.ranks.rank == 0)
+        else {}
+    )
+    for storage in state.storages:
+        for shard, buffer in zip(storage.shards, storage.layout.buffers, strict=True):
+            if state.ranks.rank == 0:
+                values = [by_fqn[slot.fqn].to(shard.device, shard.dtype) for slot in buffer.params]
+                flat = flatstate.flatten(values, buffer)
+            else:
+                flat = shard.new_empty(buffer.padded_numel)
+            comm.broadcast(flat, state.ranks)
+            start, end = buffer.shard_range(storage.shard_rank)
+            shard.copy_(flat[start:end])
+    note_parameters_written()
+    buffers = dict(model.named_buffers())
+    for name, (fqn, _) in expected.items():
+        if fqn is None and name in buffers:
+            if state.ranks.rank == 0:
+                buffers[name].copy_(state_dict[name])
+            comm.broadcast(buffers[name].data, state.ranks)
 
 
 def check_optimizer(model: ShardedModule, optimizer: torch.optim.Optimizer) -> ShardingState:
@@ -164,25 +226,6 @@ def optim_state_dict(model: ShardedModule, optimizer: torch.optim.Optimizer) -> 
         for group, resolved in zip(optimizer.param_groups, state.groups.groups, strict=True)
     ]
     return plain_optimizer_state(groups, per_fqn)
-
-
-def plain_optimizer_state(
-    groups: list[tuple[Sequence[str], dict[str, Any]]], per_fqn: Mapping[str, dict[str, Any]]
-) -> dict[str, Any]:
-    """torch.optim's state-dict format from ``(listed FQNs, hyperparameters)`` per group and
-    each parameter's state: parameters are numbered across groups in the listed order, as
-    a torch optimizer built with those groups numbers them; ones without state are left out.
-    """
-    result: dict[str, Any] = {"state": {}, "param_groups": []}
-    index = 0
-    for listed, hyperparameters in groups:
-        indices = list(range(index, index + len(listed)))
-        for position, fqn in zip(indices, listed, strict=True):
-            if per_fqn.get(fqn):
-                result["state"][position] = per_fqn[fqn]
-        result["param_groups"].append({**hyperparameters, "params": indices})
-        index += len(indices)
-    return result
 
 
 def load_optim_state_dict(

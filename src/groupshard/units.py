@@ -50,7 +50,7 @@ def _unit_predicate(unit: UnitSpec) -> Callable[[nn.Module], bool]:
     )
 
 
-def _enclosing_unit(module_name: str, unit_names: set[str]) -> str:
+def enclosing_unit(module_name: str, unit_names: set[str]) -> str:
     """Nearest ancestor-or-self of ``module_name`` that is a unit."""
     parts = module_name.split(".") if module_name else []
     for length in range(len(parts), 0, -1):
@@ -76,7 +76,7 @@ def plan_units(model: nn.Module, unit: UnitSpec) -> UnitPlan:
     unit_names = set(names)
     parents: dict[str, str | None] = {"": None}
     for name in names[1:]:
-        parents[name] = _enclosing_unit(name.rpartition(".")[0], unit_names)
+        parents[name] = enclosing_unit(name.rpartition(".")[0], unit_names)
     canonical = {id(param): fqn for fqn, param in model.named_parameters()}
     registrations: dict[str, list[tuple[str, str]]] = {fqn: [] for fqn in canonical.values()}
     for module_name, module in model.named_modules():
@@ -84,7 +84,7 @@ def plan_units(model: nn.Module, unit: UnitSpec) -> UnitPlan:
             registrations[canonical[id(param)]].append((module_name, attr))
     owner: dict[str, str] = {}
     for fqn, places in registrations.items():
-        chains = [_ancestry(_enclosing_unit(m, unit_names), parents) for m, _ in places]
+        chains = [_ancestry(enclosing_unit(m, unit_names), parents) for m, _ in places]
         common = chains[0]
         for chain in chains[1:]:
             length = 0

@@ -31,7 +31,7 @@ from groupshard import comm, flatstate
 from groupshard.flat import SEGMENTS_ATTR, ShardSegments
 from groupshard.layout import Segment, build_flat_buffer
 from groupshard.optim.common import evaluate_closure
-from groupshard.statedict import plain_optimizer_state
+from groupshard.optimstate import plain_optimizer_state
 
 
 def _param_name(group_index: int, position: int) -> str:
@@ -363,6 +363,16 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         """The buffers this rank copies its gradient slices into, kept between steps (one
         per bucket that has had a gradient): memory held beside the full gradients."""
         return [b.grad_buffer for b in self._all_buckets if b.grad_buffer is not None]
+
+    def local_slices(self) -> list[tuple[int, list[torch.Tensor], nn.Parameter]]:
+        """Per bucket, in group order: its group's index, its parameters, and this rank's
+        slice of them, the local optimizer's parameter (``optim.state`` is keyed by it;
+        ``flat.segments_of`` gives its segment map). What ``gs.checkpoint`` saves and loads."""
+        return [
+            (index, bucket.params, bucket.shard)
+            for index, buckets in enumerate(self._buckets)
+            for bucket in buckets
+        ]
 
     @property
     def _all_buckets(self) -> list[_Bucket]:

@@ -14,13 +14,17 @@ from __future__ import annotations
 import importlib
 import io
 import pickle
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import IO, Any, NoReturn
 
 import torch
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader
+
+# Private, and no public way around it: torch's FileSystemWriter pickles each data file's
+# byte range as a _StorageInfo into .metadata, so the unpickler must build exactly that
+# class (and _MEM_FORMAT_ENCODING, torch.serialization._get_layout below, which the
+# pickle of TensorProperties refers to). Nothing here calls them; they are checked types.
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -37,7 +41,8 @@ from groupshard.checkpoint.errors import CheckpointError, UnsafeCheckpointError
 METADATA_FILE = ".metadata"  # the name torch's FileSystemWriter gives it
 
 # Everything a DCP metadata pickle of a tensor-only checkpoint refers to (torch 2.7 to 2.15),
-# besides torch's dtypes. All are plain records or value lookups: building them runs nothing.
+# besides torch's dtypes, named as the pickle names them (private names included: see the
+# import of _StorageInfo). All are plain records or value lookups: building them runs nothing.
 _ALLOWED = {
     "torch.distributed.checkpoint.metadata": (
         "Metadata",
@@ -190,20 +195,29 @@ def check_files(directory: Path, metadata: Metadata) -> None:
             )
 
 
-def check_entries(metadata: Metadata, wanted: Mapping[str, Any], file: Path) -> None:
-    """Every tensor about to be read is in ``metadata`` with the size the loader expects."""
+def check_entries(metadata: Metadata, sizes: Mapping[str, torch.Size], file: Path) -> None:
+    """Every entry about to be read is in ``metadata`` with the size the loader expects."""
     problems = []
-    for name, tensor in wanted.items():
+    for name, size in sizes.items():
         entry = metadata.state_dict_metadata.get(name)
         if entry is None:
             problems.append(f"{name!r} is missing")
-        elif entry.size != tensor.size():
-            problems.append(f"{name!r} has size {list(entry.size)}, not {list(tensor.size())}")
+        elif entry.size != size:
+            problems.append(f"{name!r} has size {list(entry.size)}, not {list(size)}")
     if problems:
         raise CheckpointError(
             f"The checkpoint file {file} disagrees with the checkpoint's description "
             f"({len(problems)} entries): " + "; ".join(problems[:8])
         )
+
+
+def _narrow(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+    """The box ``[offsets, offsets + lengths)`` of ``tensor`` (a view)."""
+    if len(offsets) != tensor.dim() or len(lengths) != tensor.dim():
+        raise ValueError(f"a {tensor.dim()}-d tensor narrowed in {len(offsets)} dimensions")
+    for dim, (start, length) in enumerate(zip(offsets, lengths, strict=True)):
+        tensor = tensor.narrow(dim, start, length)
+    return tensor
 
 
 def _refusal(error: BaseException) -> str:
@@ -296,7 +310,7 @@ class SafeFileSystemReader(FileSystemReader):
                 f"entry {name!r}, not {list(expected)}"
             )
         try:
-            piece = narrow_tensor_by_index(saved, item.storage_offsets, item.lengths)
+            piece = _narrow(saved, item.storage_offsets, item.lengths)
         except Exception as error:
             raise CheckpointError(
                 f"The checkpoint file {file} holds a tensor of the wrong shape for entry "

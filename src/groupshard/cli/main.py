@@ -102,6 +102,12 @@ def _parser() -> argparse.ArgumentParser:
         "support and on the model's sizes)",
     )  # fmt: skip
     train.add_argument(
+        "--init", choices=("meta", "full"), default=None,
+        help="meta (the default without --zero): build the model on the meta device and let "
+        "gs.shard initialize it unit by unit, each rank holding only its shards; full: build "
+        "it whole on every rank first (the default, and the only choice, with --zero)",
+    )  # fmt: skip
+    train.add_argument(
         "--lr", type=_finite_float, default=3e-3,
         help="peak learning rate (linear warm-up, cosine decay to a tenth)",
     )  # fmt: skip
@@ -165,6 +171,11 @@ def _check(args: argparse.Namespace) -> TrainConfig:
             )
     if not (args.timeout > 0 and math.isfinite(args.timeout)):
         raise CommandError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    if args.zero and args.init == "meta":
+        raise CommandError(
+            "--init meta needs groupshard's sharding; --zero (DDP + the ZeRO-1 optimizer) "
+            "builds the whole model on every rank"
+        )
     if args.zero and args.precision != "fp32":
         raise CommandError(
             f"--precision {args.precision} needs groupshard's sharding; --zero (DDP + the ZeRO-1 "
@@ -194,6 +205,7 @@ def _check(args: argparse.Namespace) -> TrainConfig:
         optimizer=args.optimizer, zero=args.zero, seed=args.seed, out=out, resume=args.resume,
         ckpt_every=args.ckpt_every, eval_every=args.eval_every, clip=args.clip,
         timeout=args.timeout, precision=args.precision, grad_accum=args.grad_accum,
+        init=args.init or ("full" if args.zero else "meta"),
     )  # fmt: skip
     _check_out(out)
     checkpoint = Path(out) / CHECKPOINT

@@ -60,6 +60,7 @@ class TrainConfig:
     timeout: float  # seconds a collective may wait for the other ranks
     precision: str = "fp32"  # "fp32" or "bf16" (units compute in bf16, fp32 masters)
     grad_accum: int = 1  # micro-batches per rank and optimizer step
+    init: str = "meta"  # "meta": built on the meta device, initialized by gs.shard; "full"
 
     def identity(self) -> dict[str, Any]:
         """What a checkpoint must share with the run that resumes it."""
@@ -134,7 +135,13 @@ class Run:
         train_data, val_data = corpus.split(corpus.load_corpus(config.data))
         self.train_data, self.val_data = train_data.to(device), val_data.to(device)
         torch.manual_seed(config.seed)
-        model = GPT(self.model_config).to(device)
+        if config.init == "meta":  # each rank holds only its shards, plus one block at a time
+            with torch.device("meta"):
+                model = GPT(self.model_config)
+            materialize = {"param_init_fn": GPT._init_weights, "device": device}
+        else:
+            model = GPT(self.model_config).to(device)
+            materialize = {}
         self.total_params = sum(p.numel() for p in model.parameters())
         groups = with_exclusions(config.optimizer, gs.decay_groups(model, config.weight_decay))
         self.group_names = ["decay", "no_decay"]
@@ -152,7 +159,12 @@ class Run:
                 else None
             )
             self.model = gs.shard(
-                model, groups, unit=Block, strategy=config.strategy, mixed_precision=precision
+                model,
+                groups,
+                unit=Block,
+                strategy=config.strategy,
+                mixed_precision=precision,
+                **materialize,
             )
             self.optimizer = optimizer_class(self.model.optimizer_groups(), **kwargs)
             self.local_params = sum(s.local.numel() for s in self.model.groupshard.storages)

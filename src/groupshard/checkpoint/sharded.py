@@ -1,0 +1,279 @@
+"""``save``, ``load``, ``exists`` and ``read_extra``: sharded checkpoints in a folder.
+
+A save gathers nothing: each rank hands DCP its pieces (``pieces``) through
+``PieceSavePlanner`` into a temporary folder, rank 0 writes the description last, and
+the folder replaces ``path`` (``folders``). A load compares the description with the
+model and optimizer first (a ValueError listing the differences, on every rank before
+any rank reads), checks the DCP metadata and data files (``reader``), then reads through
+``PieceLoadPlanner`` and the safe reader.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata
+
+from groupshard import comm
+from groupshard.checkpoint import codec, folders, reader
+from groupshard.checkpoint.errors import CheckpointError
+from groupshard.checkpoint.folders import FORMAT
+from groupshard.checkpoint.pieces import (
+    Holder,
+    holder_of,
+    install_states,
+    optimizer_destinations,
+    optimizer_pieces,
+)
+from groupshard.checkpoint.planner import Piece, PieceLoadPlanner, PieceSavePlanner
+
+
+@contextmanager
+def _single_process_is_meant() -> Iterator[None]:
+    # DCP warns "torch.distributed is disabled, ... assuming the intent is to save (load)
+    # in a single process" when given no process group: yes, it is
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _dcp_kwargs(ranks: comm.Ranks | None) -> dict[str, Any]:
+    if ranks is None or ranks.group is None:
+        return {"no_dist": True}
+    return {"process_group": ranks.group}
+
+
+def _first_failure(error: dcp.CheckpointException) -> str:
+    """The first rank's failure inside DCP's exception, in one line (not its tracebacks)."""
+    rank, wrapped = min(error.failures.items(), key=lambda item: item[0])
+    cause = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+    return f"Rank {rank}: {reader.short(cause)}"
+
+
+def _load_error(error: dcp.CheckpointException, folder: Path) -> CheckpointError:
+    """One clear error for a failed DCP load: the first rank's own CheckpointError (which
+    names the file) if it raised one."""
+    for _, wrapped in sorted(error.failures.items(), key=lambda item: item[0]):
+        cause = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        if isinstance(cause, CheckpointError):
+            return type(cause)(str(cause))
+    return CheckpointError(f"Loading the checkpoint {folder} failed. {_first_failure(error)}")
+
+
+def check_storage(folder: Path, sizes: Mapping[str, torch.Size]) -> Metadata:
+    """The checkpoint's DCP metadata, decoded safely, after checking that it holds every
+    entry about to be read with the expected size and that no data file is missing or
+    short (CheckpointError naming the file otherwise)."""
+    storage = reader.read_metadata(folder)
+    reader.check_entries(storage, sizes, folder / reader.METADATA_FILE)
+    reader.check_files(folder, storage)
+    return storage
+
+
+def read_pieces(
+    folder: Path, storage: Metadata, pieces: Mapping[str, Piece], ranks: comm.Ranks | None
+) -> None:
+    """Fill ``pieces`` through the safe reader (one process if ``ranks`` is None); a
+    failure on any rank is one CheckpointError on every rank."""
+    state_dict = {name: piece.data for name, piece in pieces.items()}
+    try:
+        with torch.no_grad(), _single_process_is_meant():
+            dcp.load(
+                state_dict,
+                storage_reader=reader.SafeFileSystemReader(folder, storage),
+                planner=PieceLoadPlanner(pieces),
+                **_dcp_kwargs(ranks),
+            )
+    except dcp.CheckpointException as failure:  # a BaseException with every rank's traceback
+        raise _load_error(failure, folder) from None
+
+
+def _extra_pieces(extra: Mapping[str, Any], rank: int) -> tuple[dict[str, Piece], dict, dict]:
+    pieces: dict[str, Piece] = {}
+    plain: dict[str, Any] = {}
+    tensors: dict[str, Any] = {}
+    for name, value in extra.items():
+        if isinstance(value, torch.Tensor):
+            pieces[f"extra.{name}"] = Piece.whole(value.detach(), write=rank == 0)
+            tensors[name] = {"shape": list(value.shape), "dtype": codec.dtype_name(value.dtype)}
+        else:
+            plain[name] = codec.encode(value)
+    return pieces, plain, tensors
+
+
+def save(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """Save a sharded checkpoint of ``model`` (and ``optimizer``) to the directory ``path``.
+
+    Collective: call on every rank. Each rank writes only its slices. Args:
+        path: a directory (shared by all ranks); replaced atomically when complete.
+        model: a model returned by ``gs.shard``; or, with a ``gs.ZeroRedundancyOptimizer``,
+            the plain or DDP model it steps.
+        optimizer: an optimizer over ``model.optimizer_groups()``, a
+            ``gs.ZeroRedundancyOptimizer``, or None.
+        extra: tensors and plain values (numbers, strings, lists...) to store too,
+            e.g. the step count or RNG states; ``load`` returns them.
+    """
+    holder = holder_of(model, optimizer, "save")
+    ranks = holder.ranks
+    path = Path(path)
+    pieces, _ = holder.param_pieces(loading=False)
+    pieces.update(holder.buffer_pieces())
+    meta: dict[str, Any] = {"format": FORMAT, "world_size": ranks.size, **holder.model_meta()}
+    if optimizer is not None:
+        optim_pieces, meta["optim_state"] = optimizer_pieces(holder.slices())
+        pieces.update(optim_pieces)
+        meta["groups"] = holder.groups_meta()
+    extra_pieces, meta["extra"], meta["extra_tensors"] = _extra_pieces(extra or {}, ranks.rank)
+    pieces.update(extra_pieces)
+    # the save counter orders checkpoints and leftovers of interrupted saves (see folders)
+    serial = folders.next_serial(path) if ranks.rank == 0 else 0
+    meta["serial"] = serial
+    temporary = comm.gather_objects(folders.temporary_name(path, serial), ranks)[0]
+    try:
+        state_dict = {name: piece.data for name, piece in pieces.items() if piece.write}
+        with _single_process_is_meant():
+            dcp.save(
+                state_dict,
+                checkpoint_id=temporary,
+                planner=PieceSavePlanner(pieces),
+                **_dcp_kwargs(ranks),
+            )
+        if ranks.rank == 0:
+            folders.write_meta(temporary, meta)
+        comm.gather_objects(None, ranks)  # every rank has finished writing
+        if ranks.rank == 0:
+            folders.replace(temporary, path, serial)
+    except BaseException as error:
+        if ranks.rank == 0:
+            shutil.rmtree(temporary, ignore_errors=True)
+        if isinstance(error, dcp.CheckpointException):  # a BaseException: make it catchable
+            raise RuntimeError(
+                f"Saving the checkpoint {str(path)!r} failed on some rank; the previous "
+                f"checkpoint there (if any) is intact. {_first_failure(error)}"
+            ) from None
+        raise
+    comm.gather_objects(None, ranks)  # the checkpoint is in place before anyone goes on
+
+
+def exists(path: str | os.PathLike) -> bool:
+    """Whether ``load`` finds a complete checkpoint at ``path`` (or, after an interrupted
+    save, among the folders it left beside ``path``)."""
+    try:
+        folders.newest(Path(path))
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def read_extra(path: str | os.PathLike) -> dict[str, Any]:
+    """The plain-value ``extra`` a checkpoint was saved with (tensors given as extra are
+    left out). Cheap: no tensors are read, but the checkpoint's files are checked (safe
+    metadata, no data file missing or short), so a damaged or crafted checkpoint raises
+    a CheckpointError here already."""
+    folder, meta = folders.newest(Path(path))
+    reader.check_files(folder, reader.read_metadata(folder))
+    return {k: codec.decode(v) for k, v in meta["extra"].items()}
+
+
+def _differences(kind: str, expected: list[str], found: list[str]) -> list[str]:
+    missing = [n for n in expected if n not in found]
+    unexpected = [n for n in found if n not in expected]
+    out = []
+    if missing:
+        out.append(f"{len(missing)} {kind} missing from the checkpoint: {missing[:8]}")
+    if unexpected:
+        out.append(f"{len(unexpected)} unexpected {kind} in the checkpoint: {unexpected[:8]}")
+    return out
+
+
+def _check_model(ours: dict[str, Any], meta: dict[str, Any]) -> None:
+    problems = _differences("parameters", list(ours["params"]), list(meta["params"]))
+    problems += _differences("buffers", list(ours["buffers"]), list(meta["buffers"]))
+    for name, entry in ours["params"].items():
+        saved = meta["params"].get(name)
+        if saved and saved["shape"] != entry["shape"]:
+            problems.append(f"parameter {name!r} has shape {saved['shape']} in the checkpoint "
+                            f"but {entry['shape']} in the model")  # fmt: skip
+    if problems:
+        raise ValueError("The checkpoint does not match the model: " + "; ".join(problems))
+
+
+def _check_groups(ours: list[list[str]], meta: dict[str, Any]) -> None:
+    if "groups" not in meta:
+        raise ValueError("The checkpoint has no optimizer state; load it without an optimizer")
+    saved = [g["params"] for g in meta["groups"]]
+    if len(ours) != len(saved):
+        raise ValueError(
+            f"The checkpoint has {len(saved)} param groups but the optimizer has {len(ours)}"
+        )
+    for index, (mine, theirs) in enumerate(zip(ours, saved, strict=True)):
+        problems = _differences("parameters", mine, theirs)
+        if problems:
+            raise ValueError(f"Param group {index} differs: " + "; ".join(problems))
+
+
+def _load_hyperparameters(holder: Holder, meta: dict[str, Any]) -> None:
+    for targets, saved in zip(holder.hyperparameter_groups(), meta["groups"], strict=True):
+        for group in targets:
+            group.update(codec.decode(saved["hyperparameters"]))
+
+
+def load(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> dict[str, Any]:
+    """Load a checkpoint written by ``save`` (at any world size) into ``model`` and ``optimizer``.
+
+    Collective. Loads the newest complete checkpoint at ``path`` (or left beside it by
+    an interrupted save). ``model`` and ``optimizer`` as for ``save``: a ``gs.shard``
+    model (any unit choice and strategy) or a plain/DDP model with its
+    ``gs.ZeroRedundancyOptimizer``, whichever saved the checkpoint. Checks names, shapes
+    and group structure first and raises a ValueError listing what differs; a missing,
+    damaged or crafted file raises a :class:`CheckpointError` (a ValueError) naming it,
+    on every rank, and nothing in the checkpoint is run. Optimizer state takes its
+    parameter's dtype, as with ``Optimizer.load_state_dict``. Returns the ``extra``
+    given to ``save``.
+    """
+    holder = holder_of(model, optimizer, "load")
+    ranks = holder.ranks
+    error = None
+    try:
+        folder, meta = folders.newest(Path(path))
+        _check_model(holder.model_meta(), meta)
+        pieces, after_read = holder.param_pieces(loading=True)
+        pieces.update(holder.buffer_pieces())
+        states = []
+        if optimizer is not None:
+            _check_groups(holder.listed_groups(), meta)
+            optim_pieces, states = optimizer_destinations(holder.slices(), meta["optim_state"])
+            pieces.update(optim_pieces)
+        extra_tensors = {
+            name: torch.empty(spec["shape"], dtype=codec.dtype(spec["dtype"]))
+            for name, spec in meta["extra_tensors"].items()
+        }
+        pieces.update({f"extra.{name}": Piece.whole(t) for name, t in extra_tensors.items()})
+        storage = check_storage(folder, {name: piece.size for name, piece in pieces.items()})
+    except Exception as caught:  # every rank raises, none waits in DCP's collectives
+        error = caught
+    comm.raise_if_any_failed(error, ranks, others_raise=CheckpointError)  # no rank waits in DCP
+    read_pieces(folder, storage, pieces, ranks)
+    after_read()
+    if optimizer is not None:
+        _load_hyperparameters(holder, meta)
+        install_states(states)
+    return {**{k: codec.decode(v) for k, v in meta["extra"].items()}, **extra_tensors}

@@ -1,0 +1,165 @@
+"""Give a model built on the meta device real parameters, one unit at a time.
+
+``gs.shard`` calls ``materialize_unit`` for each unit of a meta-built model just before
+sharding it: the unit's parameters (and its modules' buffers) are allocated on the
+target device, initialized, sharded, and freed, so a rank never holds more than its
+shards plus one unit's full parameters.
+
+Initialization of each module that directly holds parameters or buffers: its
+``reset_parameters()`` if it has one, then ``param_init_fn(module)`` if given (a module
+with neither is an error: its memory would be uninitialized). The random stream is
+seeded per module, from ``torch.initial_seed()`` (what ``torch.manual_seed`` set) and
+the module's name: the model does not depend on the world size, the units chosen, or
+the order modules are initialized in.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import sys
+import zlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from groupshard.layout import StorageLayout
+from groupshard.units import UnitPlan, enclosing_unit
+
+ParamInitFn = Callable[[nn.Module], None]
+
+
+def meta_parameters(params: Mapping[str, torch.Tensor]) -> list[str]:
+    """Names of the parameters on the meta device; all of them or none, else an error."""
+    meta = [name for name, p in params.items() if p.is_meta]
+    if meta and len(meta) != len(params):
+        real = [name for name, p in params.items() if not p.is_meta]
+        raise ValueError(
+            f"Parameters {meta[:4]} are on the meta device but {real[:4]} are not; build the "
+            "whole model under torch.device('meta') (gs.shard then initializes it unit by "
+            "unit) or none of it."
+        )
+    return meta
+
+
+def _load_libc() -> Any:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+_LIBC = _load_libc() if sys.platform.startswith("linux") else None
+
+
+def release_free_memory() -> None:
+    """Give the freed memory of a built unit back to the operating system.
+
+    glibc serves allocations of a few MB from its heap once such blocks have been freed
+    (its mmap threshold rises up to 32 MB), and the holes the unit temporaries leave
+    between the shards stay resident: without this, a rank's RSS grows by about one
+    unit per unit built, as if it kept the whole model.
+    """
+    trim = getattr(_LIBC, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+def check_initializable(model: nn.Module, param_init_fn: ParamInitFn | None) -> None:
+    """Fail before anything is built if a module holding parameters or buffers would stay
+    uninitialized (no ``reset_parameters()`` and no ``param_init_fn``)."""
+    if param_init_fn is not None:
+        return
+    for name, module in model.named_modules():
+        holds = any(
+            t is not None for t in (*module._parameters.values(), *module._buffers.values())
+        )
+        if holds and getattr(module, "reset_parameters", None) is None:
+            raise ValueError(
+                f"Module {name or '<root>'!r} ({type(module).__name__}) was built on the meta "
+                "device and has no reset_parameters(): pass gs.shard(..., param_init_fn=f) "
+                "with f(module) initializing its parameters and buffers."
+            )
+
+
+def module_seed(base_seed: int, module_name: str) -> int:
+    """The seed of one module's initialization: the same on every rank and world size."""
+    return (base_seed + zlib.crc32(module_name.encode())) % 2**63
+
+
+def _modules_of_unit(
+    model: nn.Module, plan: UnitPlan, unit_name: str
+) -> list[tuple[str, nn.Module]]:
+    units = set(plan.names)
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if enclosing_unit(name, units) == unit_name
+    ]
+
+
+def materialize_unit(
+    model: nn.Module,
+    plan: UnitPlan,
+    params: dict[str, nn.Parameter],
+    layouts: dict[str, list[StorageLayout]],
+    unit_name: str,
+    device: torch.device,
+    param_init_fn: ParamInitFn | None,
+    base_seed: int,
+) -> tuple[list[torch.Tensor], dict[torch.dtype, torch.Tensor]]:
+    """Allocate and initialize the parameters the unit owns and its modules' buffers.
+
+    Returns the buffers (to broadcast when ranks sync module states) and, per dtype, the
+    storage's flat buffers end to end, of which the new parameters are views: so the
+    unit's full parameters take one allocation per dtype and no copy before sharding.
+    A meta tensor cannot take real data, so each parameter is replaced by a new
+    ``nn.Parameter`` in every module that registers it and in ``params`` (by FQN).
+    """
+    modules = dict(model.named_modules())
+    owned = [fqn for fqn, owner in plan.owner.items() if owner == unit_name]
+    flats: dict[torch.dtype, torch.Tensor] = {}
+    for layout in layouts[unit_name]:
+        flat = torch.zeros(
+            sum(b.padded_numel for b in layout.buffers), dtype=layout.dtype, device=device
+        )
+        flats[layout.dtype] = flat
+        offset = 0
+        for buffer in layout.buffers:
+            for slot in buffer.params:
+                old = params[slot.fqn]
+                start = offset + slot.offset
+                new = nn.Parameter(
+                    flat[start : start + slot.numel].view(slot.shape),
+                    requires_grad=old.requires_grad,
+                )
+                params[slot.fqn] = new
+                for module_name, attr in plan.registrations[slot.fqn]:
+                    modules[module_name]._parameters[attr] = new
+            offset += buffer.padded_numel
+    fresh = {id(params[fqn]) for fqn in owned}
+    buffers: list[torch.Tensor] = []
+    for module_name, module in _modules_of_unit(model, plan, unit_name):
+        materialized = False  # a tied parameter is initialized by its first module
+        for param in module._parameters.values():
+            if param is not None and id(param) in fresh:
+                fresh.discard(id(param))
+                materialized = True
+        for attr, buffer in module._buffers.items():
+            if buffer is not None and buffer.is_meta:
+                module._buffers[attr] = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
+                materialized = True
+        if not materialized:
+            continue
+        buffers.extend(b for b in module._buffers.values() if b is not None)
+        reset = getattr(module, "reset_parameters", None)
+        devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            torch.manual_seed(module_seed(base_seed, module_name))
+            if reset is not None:
+                reset()
+            if param_init_fn is not None:
+                param_init_fn(module)
+    return buffers, flats

@@ -1,0 +1,703 @@
+"""Muon for 2-D hidden weights and AdamW for the rest, in one optimizer, exact on flat shards.
+
+Note: the math
+    ``torch.optim.Muon``'s (torch 2.9+), operation for operation: per matrix
+    ``B.lerp_(g, 1 - momentum)``; ``U = g.lerp(B, momentum)`` (nesterov) or ``B``;
+    ``O = NS(U)``: five quintic Newton-Schulz steps with coefficients (3.4445, -4.7750,
+    2.0315) in bfloat16 on ``U / max(||U||, eps)`` (transposed when tall); then
+    ``W *= 1 - lr * weight_decay`` and ``W -= adjusted_lr * O`` with ``adjust_lr_fn``
+    ("original": ``lr * sqrt(max(1, rows / cols))``, "match_rms_adamw":
+    ``0.2 * lr * sqrt(max(rows, cols))``). Groups with ``use_muon=False`` run
+    ``torch.optim.AdamW``'s own functional (``torch.optim.adamw.adamw``) with AdamW's
+    group keys, so one optimizer, one ``optimizer_groups()`` call and one LR scheduler
+    drive both. Everything but Newton-Schulz is element-wise, so it runs on each rank's
+    shard as it is; the results equal torch's bit for bit (tests/test_muon.py).
+
+Note: ownership and communication (sharded parameters)
+    Newton-Schulz needs a whole matrix. Every matrix held in sharded parameters (a 2-D
+    slot of a shard's segment map; ``gs.shard`` shards and ``gs.ZeroRedundancyOptimizer``
+    slices alike) gets one *owner* rank, balanced by its Newton-Schulz cost
+    ``rows * cols * min(rows, cols)`` (greedy: largest first to the least loaded rank,
+    ties by matrix order and rank), computed the same on every rank from the layout, never
+    communicated or saved. Per ``step()`` and process group, after the element-wise
+    momentum update on the local shards:
+
+    1. one ``all_to_all``: each rank sends its pieces of every matrix to the matrix's owner,
+       in bfloat16 (Newton-Schulz starts with ``U.bfloat16()``, so casting before sending
+       changes no bit);
+    2. each owner assembles its matrices (concatenating the pieces in rank order gives the
+       flattened matrix), orthogonalizes them one at a time, and writes each result over
+       the received pieces;
+    3. one ``all_to_all`` back: each rank receives its slices of every orthogonalized
+       matrix and applies weight decay and the update to its shard.
+
+    Volume per step, per rank r (bfloat16, 2 bytes an element): the first all-to-all
+    sends ``S_r`` = the elements of r's shards that belong to matrices owned by other
+    ranks and receives ``R_r`` = the elements of r's owned matrices held by other ranks;
+    the second sends ``R_r`` and receives ``S_r``. So r sends ``2 * (S_r + R_r)`` bytes per
+    step and receives as many. Over all ranks ``sum S_r = sum R_r = sum over matrices of
+    (numel - the owner's own piece)``, about ``M (N - 1) / N`` for ``M`` Muon elements on
+    ``N`` ranks, so per rank about ``4 M (N - 1) / N**2`` bytes sent per step: 1/N of what
+    the fp32 reduce-scatter of those gradients moves (``4 M (N - 1) / N``).
+    ``ownership()`` reports the exact counts. Two collectives per step and process group,
+    whatever the number of matrices or groups (plus one ``gather_objects`` at the first
+    step, checking that every rank holds the same matrices). Parameters held whole on
+    every rank (plain tensors, ``strategy="no_shard"``, one rank) are orthogonalized
+    locally without communication, as torch.optim.Muon would.
+
+    Memory beyond the shards, per rank and step: the send buffer (``S_r`` plus r's pieces
+    of its own matrices, bfloat16: half the bytes of r's fp32 Muon shards) and the receive
+    buffer (every matrix r owns, whole, in bfloat16: ``2 * O_r`` bytes for ``O_r`` owned
+    elements), both reused for the return trip, plus one matrix's Newton-Schulz
+    temporaries at a time (the matrix and ~3 more of its size, and two ``min(rows,
+    cols)**2`` Gram matrices, bfloat16). All owned matrices are held at once because one
+    collective carries them all; sending them one collective per matrix would hold one at
+    a time but cost a collective per matrix.
+
+State: ``momentum_buffer`` (Muon groups, as torch.optim.Muon) and ``step``, ``exp_avg``,
+``exp_avg_sq`` (+ ``max_exp_avg_sq``) (AdamW groups, as torch.optim.AdamW), per-element
+state laid out like each parameter (a shard's state is a 1-D tensor shaped like the
+shard), so ``gs.optim_state_dict``, ``gs.load_optim_state_dict``, the ZeRO optimizer's
+state dicts and ``gs.checkpoint`` handle it like any torch optimizer's.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import torch
+from torch.optim.adamw import adamw as adamw_functional
+
+from groupshard import comm
+from groupshard.flat import ShardSegments, segments_of
+from groupshard.optim.common import evaluate_closure
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+"""Keller Jordan's quintic coefficients, as torch.optim.Muon's defaults."""
+NS_STEPS = 5
+NS_EPS = 1e-7
+NS_DTYPE = torch.bfloat16
+"""The dtype Newton-Schulz runs in (torch.optim.Muon's) and the exchanges carry."""
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+MUON_ONLY_KEYS = ("momentum", "nesterov", "ns_coefficients", "ns_steps", "adjust_lr_fn")
+"""Group keys a group with ``use_muon=False`` does not get from the defaults."""
+
+
+def zeropower_via_newtonschulz(
+    matrix: torch.Tensor,
+    ns_coefficients: Sequence[float] = NS_COEFFICIENTS,
+    ns_steps: int = NS_STEPS,
+    eps: float = NS_EPS,
+) -> torch.Tensor:
+    """The orthogonalized ``matrix`` (bfloat16, same shape), torch.optim.Muon's iteration.
+
+    Unlike torch's, the input is always copied: torch's divides a bfloat16 input in place
+    (with ``nesterov=False`` and bfloat16 parameters, its momentum buffer).
+    """
+    if matrix.ndim != 2:
+        raise ValueError(f"Expects a 2-D matrix but got shape {tuple(matrix.shape)}")
+    a, b, c = ns_coefficients
+    ortho = matrix.to(NS_DTYPE, copy=True)
+    tall = matrix.size(0) > matrix.size(1)
+    if tall:
+        ortho = ortho.T
+    ortho.div_(ortho.norm().clamp(min=eps))  # spectral norm at most 1
+    for _ in range(ns_steps):
+        gram = ortho @ ortho.T
+        gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        ortho = torch.addmm(ortho, gram_update, ortho, beta=a)
+    return ortho.T if tall else ortho
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:
+    """torch.optim.Muon's learning rate for a ``rows x cols`` matrix."""
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return lr * math.sqrt(max(1, rows / cols))
+    if adjust_lr_fn == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    return lr
+
+
+def newton_schulz_cost(rows: int, cols: int) -> int:
+    """Work of one Newton-Schulz iteration, up to a constant: ``rows * cols * min``."""
+    return rows * cols * min(rows, cols)
+
+
+def assign_owners(costs: Sequence[int], world_size: int) -> list[int]:
+    """An owner rank per matrix: largest cost first, each to the least loaded rank (ties:
+    the earlier matrix first, the lower rank). Deterministic: the same on every rank."""
+    owners = [0] * len(costs)
+    loads = [(0, rank) for rank in range(world_size)]
+    for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        load, rank = heapq.heappop(loads)
+        owners[index] = rank
+        heapq.heappush(loads, (load + costs[index], rank))
+    return owners
+
+
+def matrix_shape(shape: Sequence[int], flatten_conv: bool, name: str) -> tuple[int, int]:
+    """The matrix Muon orthogonalizes for a parameter of ``shape``; a ValueError naming
+    the parameter when there is none."""
+    if len(shape) == 2:
+        return int(shape[0]), int(shape[1])
+    if len(shape) > 2 and flatten_conv:
+        return int(shape[0]), math.prod(shape[1:])
+    hint = (
+        ", or pass flatten_conv=True (to gs.optim.Muon or in the group) to orthogonalize it "
+        f"as a ({shape[0]}, {math.prod(shape[1:])}) matrix"
+        if len(shape) > 2
+        else ""
+    )
+    raise ValueError(
+        f"Muon only supports 2D parameters, but {name} of shape {tuple(shape)} is in a Muon "
+        "param group; put it in a group with use_muon=False (AdamW; gs.muon_groups does so "
+        f"for biases, norms, embeddings and the head){hint}"
+    )
+
+
+def _scalar(value: Any) -> Any:
+    return value.item() if isinstance(value, torch.Tensor) else value
+
+
+@cache
+def _adamw_defaults() -> dict[str, Any]:
+    """torch.optim.AdamW's group keys and defaults, from the installed torch."""
+    probe = torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
+    return dict(probe.defaults)
+
+
+def _scalar_dtype(fused: bool | None) -> torch.dtype:
+    if fused:
+        return torch.float32
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+@dataclass(frozen=True)
+class _Matrix:
+    """One Muon matrix held in a sharded parameter, and where its pieces lie."""
+
+    fqn: str
+    group: int  # param-group index
+    param: int  # position of its sharded parameter in the exchange
+    rows: int
+    cols: int
+    owner: int
+    numels: tuple[int, ...]  # elements held by each rank
+    local_start: int  # where this rank's piece starts in its shard
+
+
+class _Exchange:
+    """The ownership and the all-to-all layout of one process group's Muon matrices.
+
+    Pure arithmetic on the segment maps: every rank builds the same matrices in the same
+    order (param groups, then parameters, then their slots) and the same owners.
+    """
+
+    def __init__(self, ranks: comm.Ranks, params: list[tuple[int, torch.Tensor, bool]]) -> None:
+        self.ranks = ranks
+        self.params = [param for _, param, _ in params]
+        self.groups = [group for group, _, _ in params]
+        size, me = ranks.size, ranks.rank
+        found: list[tuple[str, int, int, int, int, tuple[int, ...], int]] = []
+        for position, (group, param, flatten_conv) in enumerate(params):
+            segments = segments_of(param)
+            assert segments is not None
+            buffer = segments.buffer
+            if buffer.world_size != size or segments.shard_rank != me:
+                raise ValueError(
+                    f"A sharded parameter holding {segments.fqns[:3]} is laid out for "
+                    f"{buffer.world_size} ranks (this is shard {segments.shard_rank}) but its "
+                    f"process group has {size} ranks (this is rank {me})"
+                )
+            ranges = [buffer.shard_range(rank) for rank in range(size)]
+            for slot in buffer.params:
+                rows, cols = matrix_shape(slot.shape, flatten_conv, repr(slot.fqn))
+                if not slot.numel:
+                    continue
+                numels = tuple(
+                    max(0, min(slot.offset + slot.numel, end) - max(slot.offset, start))
+                    for start, end in ranges
+                )
+                local_start = max(slot.offset, ranges[me][0]) - ranges[me][0]
+                found.append((slot.fqn, group, position, rows, cols, numels, local_start))
+        owners = assign_owners([newton_schulz_cost(f[3], f[4]) for f in found], size)
+        self.matrices = [
+            _Matrix(fqn, group, position, rows, cols, owner, numels, start)
+            for (fqn, group, position, rows, cols, numels, start), owner in zip(
+                found, owners, strict=True
+            )
+        ]
+        # send buffer: destination-major; per destination its matrices in order
+        self.send_order = [
+            index
+            for rank in range(size)
+            for index, m in enumerate(self.matrices)
+            if m.owner == rank and m.numels[me]
+        ]
+        self.send_splits = [
+            sum(m.numels[me] for m in self.matrices if m.owner == rank) for rank in range(size)
+        ]
+        # receive buffer: source-major; per source the pieces of our matrices in order
+        self.owned = [index for index, m in enumerate(self.matrices) if m.owner == me]
+        self.recv_splits = [
+            sum(self.matrices[i].numels[rank] for i in self.owned) for rank in range(size)
+        ]
+        self.recv_places: list[list[tuple[int, int]]] = [[] for _ in self.owned]
+        offset = 0
+        for rank in range(size):
+            for places, index in zip(self.recv_places, self.owned, strict=True):
+                numel = self.matrices[index].numels[rank]
+                if numel:
+                    places.append((offset, numel))
+                offset += numel
+        self.checked = False
+
+    def signature(self) -> list[tuple[str, int, int, tuple[int, ...]]]:
+        return [(m.fqn, m.rows, m.cols, m.numels) for m in self.matrices]
+
+    def costs(self) -> list[int]:
+        loads = [0] * self.ranks.size
+        for m in self.matrices:
+            loads[m.owner] += newton_schulz_cost(m.rows, m.cols)
+        return loads
+
+    def check_same_on_every_rank(self) -> None:
+        """One collective, at the first step: every rank must exchange the same matrices
+        (else the all-to-all would mismatch), failing on every rank, naming the first."""
+        signatures = comm.gather_objects(self.signature(), self.ranks)
+        self.checked = True
+        ours = signatures[0]
+        for rank, other in enumerate(signatures):
+            if other != ours:
+                first = next(
+                    (i for i, (a, b) in enumerate(zip(ours, other, strict=False)) if a != b),
+                    min(len(ours), len(other)),
+                )
+                mine = ours[first] if first < len(ours) else "nothing"
+                its = other[first] if first < len(other) else "nothing"
+                raise ValueError(
+                    f"gs.optim.Muon: ranks hold different Muon matrices: matrix {first} "
+                    f"(name, rows, cols, elements per rank) is {mine} on rank 0 but {its} on "
+                    f"rank {rank}; build the optimizer from the same param groups on every "
+                    "rank (model.optimizer_groups())."
+                )
+
+
+@dataclass(frozen=True)
+class Ownership:
+    """Who orthogonalizes which matrix, for one process group (``Muon.ownership()``)."""
+
+    world_size: int
+    rank: int
+    owners: dict[str, int]  # matrix name (FQN) -> owner rank
+    cost_per_rank: list[int]  # Newton-Schulz cost (rows * cols * min) owned by each rank
+    elements_sent: int  # of this rank's shards to other owners (and back, second trip)
+    elements_received: int  # of this rank's matrices from other ranks (and back)
+
+    @property
+    def balance(self) -> float:
+        """Largest cost per rank over the mean (1.0 is perfect)."""
+        mean = sum(self.cost_per_rank) / len(self.cost_per_rank)
+        return max(self.cost_per_rank) / mean if mean else 1.0
+
+    @property
+    def bytes_per_step(self) -> int:
+        """Bytes this rank sends per step (both all-to-alls); it receives as many."""
+        return (self.elements_sent + self.elements_received) * NS_DTYPE.itemsize
+
+
+class Muon(torch.optim.Optimizer):
+    """torch.optim.Muon's math, exact on groupshard shards and on plain parameters alike,
+    with param groups that use AdamW instead (``{"params": ..., "use_muon": False}``).
+
+    Args:
+        params: parameters or param groups: ``model.optimizer_groups()`` of ``gs.shard``,
+            the local slices of ``gs.ZeroRedundancyOptimizer(groups, gs.optim.Muon, ...)``,
+            or plain tensors (``gs.muon_groups(model)`` builds the usual two groups).
+        lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn:
+            as ``torch.optim.Muon`` (the defaults of every Muon group).
+        flatten_conv: orthogonalize a parameter with more than 2 dimensions (a conv
+            weight ``(out, in, k, k)``) as the matrix ``(out, in * k * k)``, its learning
+            rate adjusted for that shape; without it such a parameter is refused.
+
+    A group with ``use_muon=False`` is stepped exactly as ``torch.optim.AdamW`` would step
+    it, with AdamW's keys (``betas``, ``eps``, ``amsgrad``, ``maximize``, ``foreach``,
+    ``fused``...) and AdamW's defaults for the keys it does not set, except ``lr`` and
+    ``weight_decay``, which default to this optimizer's (as any torch optimizer's
+    defaults reach every group); ``eps`` means AdamW's epsilon there (default 1e-8).
+
+    Every rank must step (the exchange is collective); see the module docstring for the
+    ownership, the collectives and the memory.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+        eps: float = NS_EPS,
+        ns_steps: int = NS_STEPS,
+        adjust_lr_fn: str | None = None,
+        *,
+        flatten_conv: bool = False,
+    ) -> None:
+        defaults = dict(
+            lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+            ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
+            adjust_lr_fn=adjust_lr_fn, flatten_conv=flatten_conv, use_muon=True,
+        )  # fmt: skip
+        _check_muon_options(defaults, "gs.optim.Muon")
+        self._exchanges: tuple[Any, list[_Exchange]] | None = None
+        super().__init__(params, defaults)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """As torch's (``load_state_dict`` ends here); groups loaded from a plain
+        torch.optim.Muon's state dict become Muon groups."""
+        super().__setstate__(state)
+        for group in self.param_groups:
+            if group.setdefault("use_muon", True):
+                group.setdefault("flatten_conv", self.defaults.get("flatten_conv", False))
+        self._exchanges = None
+
+    # --- groups ---------------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's, plus: a group with ``use_muon=False`` gets AdamW's keys and defaults
+        (not Muon's); a Muon group's parameters must be matrices (ValueError naming one
+        that is not, by FQN for shards)."""
+        use_muon = param_group.get("use_muon", self.defaults["use_muon"])
+        if not isinstance(use_muon, bool):
+            raise TypeError(f"Expects use_muon to be True or False but got {use_muon!r}")
+        given = set(param_group)
+        if not use_muon:
+            for key, value in _adamw_defaults().items():
+                if key not in ("lr", "weight_decay"):
+                    param_group.setdefault(key, value)
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        index = len(self.param_groups) - 1
+        try:
+            if use_muon:
+                _check_muon_options(group, f"Param group {index}")
+                for position, param in enumerate(group["params"]):
+                    _check_matrices(param, group["flatten_conv"], index, position)
+            else:
+                for key in (*MUON_ONLY_KEYS, "flatten_conv"):
+                    if key not in given:
+                        group.pop(key, None)
+                _check_adamw_options(group, index)
+        except Exception:
+            self.param_groups.pop()
+            raise
+        self._exchanges = None
+
+    def ownership(self) -> list[Ownership]:
+        """Per process group over which Muon matrices are sharded: each matrix's owner, the
+        Newton-Schulz cost per rank, and the elements this rank moves per step. Pure: no
+        communication; the same owners on every rank."""
+        reports = []
+        for exchange in self._plans():
+            me = exchange.ranks.rank
+            sent = sum(s for rank, s in enumerate(exchange.send_splits) if rank != me)
+            received = sum(r for rank, r in enumerate(exchange.recv_splits) if rank != me)
+            reports.append(
+                Ownership(
+                    world_size=exchange.ranks.size,
+                    rank=me,
+                    owners={m.fqn: m.owner for m in exchange.matrices},
+                    cost_per_rank=exchange.costs(),
+                    elements_sent=sent,
+                    elements_received=received,
+                )
+            )
+        return reports
+
+    def _plans(self) -> list[_Exchange]:
+        """The exchanges (one per process group), rebuilt when the groups change."""
+        key = tuple(
+            (index, group["use_muon"], group.get("flatten_conv"), tuple(map(id, group["params"])))
+            for index, group in enumerate(self.param_groups)
+        )
+        if self._exchanges is not None and self._exchanges[0] == key:
+            return self._exchanges[1]
+        by_group: dict[int, list[tuple[int, torch.Tensor, bool]]] = {}
+        ranks: dict[int, comm.Ranks] = {}
+        for index, group in enumerate(self.param_groups):
+            if not group["use_muon"]:
+                continue
+            for param in group["params"]:
+                segments = segments_of(param)
+                if segments is not None and segments.needs_reduce:
+                    by_group.setdefault(id(segments.ranks.group), []).append(
+                        (index, param, group["flatten_conv"])
+                    )
+                    ranks.setdefault(id(segments.ranks.group), segments.ranks)
+        exchanges = [_Exchange(ranks[k], entries) for k, entries in by_group.items()]
+        self._exchanges = (key, exchanges)
+        return exchanges
+
+    # --- step -----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One Muon / AdamW step for every group; collective over the ranks that share
+        sharded Muon parameters (two all-to-alls per process group)."""
+        loss = evaluate_closure(closure)
+        exchanges = self._plans()
+        updates: dict[int, torch.Tensor] = {}  # id(sharded param) -> momentum-updated grad
+        for group in self.param_groups:
+            if not group["use_muon"]:
+                self._adamw_step(group)
+                continue
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                update = self._momentum_update(param, group)
+                segments = segments_of(param)
+                if segments is not None and segments.needs_reduce:
+                    updates[id(param)] = update
+                else:
+                    self._local_step(param, update, group, segments)
+        for exchange in exchanges:
+            if not exchange.checked:
+                exchange.check_same_on_every_rank()
+            self._exchange_step(exchange, updates)
+        return loss
+
+    def _momentum_update(self, param: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        grad = param.grad
+        if torch.is_complex(param):
+            raise RuntimeError("Muon does not support complex parameters")
+        if grad.is_sparse:
+            raise RuntimeError("Muon does not support sparse gradients")
+        state = self.state[param]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+        buffer = state["momentum_buffer"]
+        momentum = group["momentum"]
+        buffer.lerp_(grad, 1 - momentum)
+        return grad.lerp(buffer, momentum) if group["nesterov"] else buffer
+
+    def _local_step(
+        self,
+        param: torch.Tensor,
+        update: torch.Tensor,
+        group: dict[str, Any],
+        segments: ShardSegments | None,
+    ) -> None:
+        """A parameter this rank holds whole (a plain tensor, or a shard of a buffer held
+        whole): orthogonalize here, as torch.optim.Muon does."""
+        lr = _scalar(group["lr"])
+        ns = group["ns_coefficients"], group["ns_steps"], group["eps"]
+        if segments is None:
+            rows, cols = matrix_shape(param.shape, group["flatten_conv"], "a parameter")
+            ortho = zeropower_via_newtonschulz(update.view(rows, cols), *ns)
+            param.mul_(1 - lr * group["weight_decay"])
+            ortho = ortho if param.ndim == 2 else ortho.reshape(param.shape)
+            param.add_(ortho, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], rows, cols))
+            return
+        start = segments.buffer.shard_range(segments.shard_rank)[0]
+        flat, values = update.view(-1), param.view(-1)
+        param.mul_(1 - lr * group["weight_decay"])
+        for slot in segments.buffer.params:
+            rows, cols = matrix_shape(slot.shape, group["flatten_conv"], repr(slot.fqn))
+            if not slot.numel:
+                continue
+            begin = slot.offset - start
+            ortho = zeropower_via_newtonschulz(
+                flat[begin : begin + slot.numel].view(rows, cols), *ns
+            )
+            target = values[begin : begin + slot.numel].view(rows, cols)
+            target.add_(ortho, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], rows, cols))
+
+    def _exchange_step(self, exchange: _Exchange, updates: dict[int, torch.Tensor]) -> None:
+        """Pieces to owners, Newton-Schulz on whole matrices, slices back, update."""
+        me, matrices = exchange.ranks.rank, exchange.matrices
+        device = exchange.params[0].device
+        flats = [updates.get(id(param)) for param in exchange.params]
+        sources = []
+        for index in exchange.send_order:
+            matrix = matrices[index]
+            numel = matrix.numels[me]
+            flat = flats[matrix.param]
+            if flat is None:  # no gradient here: take part with zeros, apply nothing
+                sources.append(torch.zeros(numel, dtype=NS_DTYPE, device=device))
+            else:
+                sources.append(flat.view(-1)[matrix.local_start : matrix.local_start + numel])
+        send = torch.empty(sum(exchange.send_splits), dtype=NS_DTYPE, device=device)
+        if sources:
+            torch.cat(sources, out=send)  # casts to bfloat16 as NS's first op would
+        received = torch.empty(sum(exchange.recv_splits), dtype=NS_DTYPE, device=device)
+        comm.all_to_all(received, send, exchange.recv_splits, exchange.send_splits, exchange.ranks)
+        for index, places in zip(exchange.owned, exchange.recv_places, strict=True):
+            matrix = matrices[index]
+            group = self.param_groups[matrix.group]
+            pieces = [received[offset : offset + numel] for offset, numel in places]
+            whole = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+            ortho = zeropower_via_newtonschulz(
+                whole.view(matrix.rows, matrix.cols),
+                group["ns_coefficients"], group["ns_steps"], group["eps"],
+            )  # fmt: skip
+            torch._foreach_copy_(pieces, list(ortho.reshape(-1).split([n for _, n in places])))
+        comm.all_to_all(send, received, exchange.send_splits, exchange.recv_splits, exchange.ranks)
+        for param, flat, index in zip(exchange.params, flats, exchange.groups, strict=True):
+            if flat is not None:
+                group = self.param_groups[index]
+                param.mul_(1 - _scalar(group["lr"]) * group["weight_decay"])
+        by_alpha: dict[float, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        offset = 0
+        for index in exchange.send_order:
+            matrix = matrices[index]
+            numel = matrix.numels[me]
+            if flats[matrix.param] is not None:
+                group = self.param_groups[matrix.group]
+                lr = adjusted_lr(
+                    _scalar(group["lr"]), group["adjust_lr_fn"], matrix.rows, matrix.cols
+                )
+                targets, results = by_alpha.setdefault(-lr, ([], []))
+                values = exchange.params[matrix.param].view(-1)
+                targets.append(values[matrix.local_start : matrix.local_start + numel])
+                results.append(send[offset : offset + numel])
+            offset += numel
+        for alpha, (targets, results) in by_alpha.items():
+            torch._foreach_add_(targets, results, alpha=alpha)
+
+    def _adamw_step(self, group: dict[str, Any]) -> None:
+        """torch.optim.AdamW's step for one group (its lazy state, then its functional)."""
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
+        has_complex = False
+        for param in group["params"]:
+            if param.grad is None:
+                continue
+            if param.grad.is_sparse:
+                raise RuntimeError(
+                    "Adam does not support sparse gradients, please consider SparseAdam instead"
+                )
+            has_complex |= torch.is_complex(param)
+            params.append(param)
+            grads.append(param.grad)
+            state = self.state[param]
+            if not state:
+                fused = group["fused"]
+                state["step"] = (
+                    torch.zeros((), dtype=_scalar_dtype(fused), device=param.device)
+                    if group["capturable"] or fused
+                    else torch.tensor(0.0, dtype=_scalar_dtype(None))
+                )
+                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                if group["amsgrad"]:
+                    state["max_exp_avg_sq"] = torch.zeros_like(
+                        param, memory_format=torch.preserve_format
+                    )
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            if group["amsgrad"]:
+                max_exp_avg_sqs.append(state["max_exp_avg_sq"])
+            steps.append(state["step"])
+        if not params:
+            return
+        beta1, beta2 = group["betas"]
+        adamw_functional(
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+            foreach=group["foreach"], capturable=group["capturable"],
+            differentiable=group["differentiable"], fused=group["fused"],
+            grad_scale=getattr(self, "grad_scale", None),
+            found_inf=getattr(self, "found_inf", None), has_complex=has_complex,
+            amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"],
+            weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+        )  # fmt: skip
+
+
+def _check_muon_options(options: Mapping[str, Any], where: str) -> None:
+    lr, momentum, decay = _scalar(options["lr"]), options["momentum"], options["weight_decay"]
+    if not (lr >= 0 and momentum >= 0 and decay >= 0):
+        raise ValueError(
+            f"{where}: expects lr, momentum, weight_decay >= 0 but got {lr=}, {momentum=}, "
+            f"weight_decay={decay}"
+        )
+    if options["adjust_lr_fn"] not in ADJUST_LR_FNS:
+        raise ValueError(
+            f"{where}: adjust_lr_fn {options['adjust_lr_fn']!r} is not supported; expects one "
+            f"of {ADJUST_LR_FNS}"
+        )
+    if not 0 <= options["ns_steps"] < 100:
+        raise ValueError(f"{where}: expects 0 <= ns_steps < 100 but got {options['ns_steps']}")
+    if len(options["ns_coefficients"]) != 3:
+        raise ValueError(f"{where}: expects 3 ns_coefficients but got {options['ns_coefficients']}")
+
+
+def _check_adamw_options(group: Mapping[str, Any], index: int) -> None:
+    lr, eps, decay = _scalar(group["lr"]), group["eps"], group["weight_decay"]
+    betas = tuple(_scalar(beta) for beta in group["betas"])
+    if not (lr >= 0 and eps >= 0 and decay >= 0 and all(0 <= b < 1 for b in betas)):
+        raise ValueError(
+            f"Param group {index} (use_muon=False, AdamW): expects lr, eps, weight_decay >= 0 "
+            f"and betas in [0, 1) but got {lr=}, {eps=}, weight_decay={decay}, {betas=}"
+        )
+
+
+def _check_matrices(param: torch.Tensor, flatten_conv: bool, index: int, position: int) -> None:
+    segments = segments_of(param)
+    if segments is None:
+        matrix_shape(param.shape, flatten_conv, f"param_groups[{index}]['params'][{position}]")
+        return
+    for slot in segments.buffer.params:
+        matrix_shape(slot.shape, flatten_conv, repr(slot.fqn))
+
+
+def split_state_dict(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A Muon state dict (``gs.optim_state_dict`` or ``Muon.state_dict()``) as the state
+    dicts of a plain ``torch.optim.Muon`` over its Muon groups and a plain
+    ``torch.optim.AdamW`` over its AdamW groups, in order, parameters renumbered as those
+    optimizers number them."""
+    muon: dict[str, Any] = {"state": {}, "param_groups": []}
+    adamw: dict[str, Any] = {"state": {}, "param_groups": []}
+    for group in state_dict["param_groups"]:
+        target = muon if group.get("use_muon", True) else adamw
+        first = sum(len(g["params"]) for g in target["param_groups"])
+        renumbered = list(range(first, first + len(group["params"])))
+        for old, new in zip(group["params"], renumbered, strict=True):
+            if old in state_dict["state"]:
+                target["state"][new] = state_dict["state"][old]
+        target["param_groups"].append({**group, "params": renumbered})
+    return muon, adamw
+
+
+def merge_state_dicts(
+    muon: Mapping[str, Any], adamw: Mapping[str, Any], use_muon: Sequence[bool]
+) -> dict[str, Any]:
+    """The inverse of ``split_state_dict``: one state dict for a ``gs.optim.Muon`` whose
+    groups are Muon or AdamW as ``use_muon`` says (e.g. ``[g["use_muon"] for g in
+    optimizer.param_groups]``), from a plain Muon's and a plain AdamW's state dicts."""
+    sources = {
+        True: (muon, iter(muon["param_groups"])),
+        False: (adamw, iter(adamw["param_groups"])),
+    }
+    merged: dict[str, Any] = {"state": {}, "param_groups": []}
+    counts = {True: len(muon["param_groups"]), False: len(adamw["param_groups"])}
+    wanted = {flag: sum(1 for f in use_muon if bool(f) == flag) for flag in (True, False)}
+    if counts != wanted:
+        raise ValueError(
+            f"Expects {wanted[True]} Muon and {wanted[False]} AdamW param groups (use_muon="
+            f"{list(use_muon)}) but got {counts[True]} and {counts[False]}"
+        )
+    index = 0
+    for flag in map(bool, use_muon):
+        source, groups = sources[flag]
+        group = next(groups)
+        renumbered = list(range(index, index + len(group["params"])))
+        for old, new in zip(group["params"], renumbered, strict=True):
+            if old in source["state"]:
+                merged["state"][new] = source["state"][old]
+        merged["param_groups"].append({**group, "use_muon": flag, "params": renumbered})
+        index += len(renumbered)
+    return merged
