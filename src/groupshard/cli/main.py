@@ -305,6 +305,10 @@ def _launch(config: TrainConfig, nproc: int) -> int:
                     _interrupted(config.out, None)
                     return 130
                 rank, cause = _blame(error)
+                if "timeout" in cause.lower() and "timed out" not in cause.lower():
+                    # gloo's asynchronous collectives say "Application timeout caused pair
+                    # closure" where its synchronous ones say "Timed out waiting ..."
+                    cause += f" (a collective timed out after --timeout {config.timeout:g} s)"
                 _error(f"worker {rank} failed: {cause} (logs in {log_file})")
                 return 1
         return _outcome(summaries[0])
