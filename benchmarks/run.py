@@ -1,13 +1,23 @@
 """The project benchmark: the same training step, every system, interleaved in one run.
 
     python benchmarks/run.py [--model 4m|small-params|30m|tiny] [--world-size 2] [--rounds 10]
-                             [--device cpu|cuda] [--rss]
+                             [--device cpu|cuda] [--rss] [--rows REGEX]
 
 Systems: DDP, torch ZeroRedundancyOptimizer + DDP, FSDP2 (``fully_shard`` per block
 and root), FSDP1 (``use_orig_params``, per block), DeepSpeed ZeRO 1/2/3 (when
 installed: ``pip install -e ".[bench]"``), groupshard full / grad_op / no_shard /
 ZeRO + DDP / full with 8 groups, and LAMB: groupshard vs FSDP2 + per-parameter
 LAMB. All get the same two groups (decay / no decay), AdamW unless named.
+
+Mixed precision and gradient accumulation: groupshard full, FSDP2 and DeepSpeed ZeRO-3 in
+bf16 (gathered and computing in bf16, gradients reduced in fp32 into fp32 masters:
+``gs.MixedPrecision`` / ``MixedPrecisionPolicy``; DeepSpeed's ``"bf16"`` with its own
+defaults), and each of them (fp32 and bf16) with ``--micro-batches`` (4) micro-batches per
+optimizer step, each as large as a normal step's batch: groupshard under ``no_sync()``
+for all but the last, FSDP2 with ``set_requires_gradient_sync(False)`` for all but the
+last, DeepSpeed with ``gradient_accumulation_steps``; "kept gathered" rows also keep units
+gathered after all but the last backward (``set_reshard_after_backward(False)``). Their
+ratio is to the FSDP2 row run the same way; step time is per optimizer step.
 
 Per system: median step time after warm-up and its ratio to FSDP2, tokens/s, the
 optimizer step alone, bytes of parameters + gradients + optimizer state held per
@@ -16,7 +26,15 @@ once (groupshard and FSDP2), collectives and bytes per step (the ``c10d::`` ops
 torch.profiler records on a warm step), with ``--rss`` the peak RSS per rank (the
 peak GPU memory on cuda; each system again in fresh processes, so peaks are its
 own), and the largest parameter difference from single-process training after the
-run. Output: a table and a JSON file.
+run: on the global batch (every rank's micro-batches) in fp32, and for fp32 accumulation
+rows also from one process summing the micro-batches in the ranks' order; for bf16 rows
+from one process doing the same casts (a bf16 copy computes each rank's micro-batches,
+gradients summed and averaged in fp32, fp32 masters step) and, for scale, from the fp32
+run. The bf16 and accumulation rows add gathered and reduced bytes apart, reduce-scatters per
+optimizer step and the unsharded gradient bytes held while accumulating (after the
+next-to-last micro-batch's backward). Before the ranks start, one process times the
+model's forward + backward and its matmuls in fp32 and bf16 (one thread, as each rank):
+is bf16 faster here? Output: tables and a JSON file.
 
 On CPU the ranks talk over gloo with one thread each; with ``--device cuda`` (the
 default where there are 2 or more GPUs) each rank takes one GPU and NCCL. gloo
@@ -33,12 +51,14 @@ import datetime
 import json
 import os
 import platform
+import re
 import resource
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 from unittest import mock
 
@@ -57,6 +77,8 @@ MODELS = {
     "tiny": (GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32), 2),
 }
 LR = 1e-3
+MICRO_BATCHES = 4
+"""Micro-batches per optimizer step in the accumulation rows (``--micro-batches``)."""
 
 
 class PerParameterLAMB(torch.optim.Optimizer):
@@ -134,13 +156,18 @@ def torch_zero(base: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
     return DDP(model), optimizer
 
 
-def fsdp2(base: nn.Module, lamb: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
-    from torch.distributed.fsdp import fully_shard
+def fsdp2(
+    base: nn.Module, lamb: bool = False, bf16: bool = False
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    policy = MixedPrecisionPolicy()  # FSDP2's default: no casts
+    if bf16:
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     model = copy.deepcopy(base)
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
     groups = _groups(model)
     return model, PerParameterLAMB(groups) if lamb else _adamw(groups)
 
@@ -161,12 +188,16 @@ def groupshard(
     lamb: bool = False,
     groups: Callable[[nn.Module], Any] = _groups,
     prefetch_bytes: int = 25 * 2**20,
+    bf16: bool = False,
 ) -> Callable[[nn.Module], tuple[nn.Module, torch.optim.Optimizer]]:
+    policy = gs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
     def build(base: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
         model = copy.deepcopy(base)
         model = gs.shard(
-            model, groups(model), unit=Block, strategy=strategy, prefetch_bytes=prefetch_bytes
-        )
+            model, groups(model), unit=Block, strategy=strategy, prefetch_bytes=prefetch_bytes,
+            mixed_precision=policy if bf16 else None,
+        )  # fmt: skip
         if lamb:
             return model, gs.optim.LAMB(model.optimizer_groups(), lr=LR)
         return model, _adamw(model.optimizer_groups())
@@ -184,16 +215,21 @@ def groupshard_zero(base: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
     return DDP(model), optimizer
 
 
-def deepspeed_stage(stage: int) -> Callable[[nn.Module], tuple[nn.Module, Any]]:
+def deepspeed_stage(
+    stage: int, bf16: bool = False, micro_batches: int = 1
+) -> Callable[[nn.Module], tuple[nn.Module, Any]]:
     def build(base: nn.Module) -> tuple[nn.Module, Any]:
         import deepspeed
 
         model = copy.deepcopy(base)
-        config = {
+        config: dict[str, Any] = {
             "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": micro_batches,
             "zero_optimization": {"stage": stage},
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.1}},
         }
+        if bf16:
+            config["bf16"] = {"enabled": True}
         groups = _groups(model)
         engine, optimizer, _, _ = deepspeed.initialize(
             model=model, config=config, model_parameters=groups, dist_init_required=False
@@ -211,27 +247,81 @@ def _deepspeed_available() -> bool:
     return True
 
 
-def systems(lamb: bool = True) -> dict[str, Callable[[nn.Module], tuple[nn.Module, Any]]]:
-    table: dict[str, Callable[[nn.Module], tuple[nn.Module, Any]]] = {
-        "DDP": ddp,
-        "torch ZeRO + DDP": torch_zero,
-        "FSDP2": fsdp2,
-        "FSDP1": fsdp1,
+Builder = Callable[[nn.Module], tuple[nn.Module, Any]]
+
+
+@dataclass(frozen=True)
+class System:
+    """One row: how to build the system, and how it trains one optimizer step."""
+
+    build: Builder
+    micro_batches: int = 1  # micro-batches per optimizer step, each a normal step's batch
+    bf16: bool = False  # computes in bf16 (fp32 masters): compared with a bf16 reference
+    keep_gathered: bool = False  # units stay gathered after the accumulating backwards
+    lamb: bool = False  # compared with a LAMB reference
+    baseline: str = "FSDP2"  # the row its step time is compared with
+
+    def __call__(self, base: nn.Module) -> tuple[nn.Module, Any]:
+        return self.build(base)
+
+
+def _precision_rows(deepspeed: bool, micro_batches: int) -> dict[str, System]:
+    """bf16 rows, then fp32 and bf16 rows with gradient accumulation; each is compared
+    with the FSDP2 row run the same way."""
+    rows: dict[str, System] = {}
+
+    def fsdp2_bf16(bf16: bool) -> Builder:
+        return lambda base: fsdp2(base, bf16=bf16)
+
+    rows["FSDP2 bf16"] = System(fsdp2_bf16(True), bf16=True, baseline="FSDP2 bf16")
+    rows["groupshard full bf16"] = System(
+        groupshard("full", bf16=True), bf16=True, baseline="FSDP2 bf16"
+    )
+    if deepspeed:
+        rows["DeepSpeed ZeRO-3 bf16"] = System(
+            deepspeed_stage(3, bf16=True), bf16=True, baseline="FSDP2 bf16"
+        )
+    for bf16 in (False, True):
+        suffix = f"{' bf16' if bf16 else ''}, {micro_batches} micro-batches"
+        for kept in ("", ", kept gathered"):
+            baseline = f"FSDP2{suffix}{kept}"
+            options = dict(micro_batches=micro_batches, bf16=bf16, keep_gathered=bool(kept),
+                           baseline=baseline)  # fmt: skip
+            rows[baseline] = System(fsdp2_bf16(bf16), **options)
+            rows[f"groupshard full{suffix}{kept}"] = System(
+                groupshard("full", bf16=bf16), **options
+            )
+        if deepspeed:
+            rows[f"DeepSpeed ZeRO-3{suffix}"] = System(
+                deepspeed_stage(3, bf16=bf16, micro_batches=micro_batches),
+                micro_batches=micro_batches, bf16=bf16, baseline=f"FSDP2{suffix}",
+            )  # fmt: skip
+    return rows
+
+
+def systems(lamb: bool = True, micro_batches: int = MICRO_BATCHES) -> dict[str, System]:
+    deepspeed = _deepspeed_available()
+    table: dict[str, System] = {
+        "DDP": System(ddp),
+        "torch ZeRO + DDP": System(torch_zero),
+        "FSDP2": System(fsdp2),
+        "FSDP1": System(fsdp1),
     }
-    if _deepspeed_available():
+    if deepspeed:
         for stage in (1, 2, 3):
-            table[f"DeepSpeed ZeRO-{stage}"] = deepspeed_stage(stage)
+            table[f"DeepSpeed ZeRO-{stage}"] = System(deepspeed_stage(stage))
     table.update({
-        "groupshard full": groupshard("full"),
-        "groupshard grad_op": groupshard("grad_op"),
-        "groupshard no_shard": groupshard("no_shard"),
-        "groupshard ZeRO + DDP": groupshard_zero,
-        "groupshard full, 8 groups": groupshard("full", groups=_eight_groups),
-        "groupshard full, prefetch 0": groupshard("full", prefetch_bytes=0),
+        "groupshard full": System(groupshard("full")),
+        "groupshard grad_op": System(groupshard("grad_op")),
+        "groupshard no_shard": System(groupshard("no_shard")),
+        "groupshard ZeRO + DDP": System(groupshard_zero),
+        "groupshard full, 8 groups": System(groupshard("full", groups=_eight_groups)),
+        "groupshard full, prefetch 0": System(groupshard("full", prefetch_bytes=0)),
     })  # fmt: skip
     if lamb:
-        table["groupshard full + LAMB"] = groupshard("full", lamb=True)
-        table["FSDP2 + per-parameter LAMB"] = lambda base: fsdp2(base, lamb=True)
+        table["groupshard full + LAMB"] = System(groupshard("full", lamb=True), lamb=True)
+        table["FSDP2 + per-parameter LAMB"] = System(lambda base: fsdp2(base, lamb=True), lamb=True)
+    table.update(_precision_rows(deepspeed, micro_batches))
     return table
 
 
@@ -277,10 +367,47 @@ def _optimizer_step(model: Any, optimizer: Any) -> None:
         optimizer.zero_grad(set_to_none=True)
 
 
-def _step(model: Any, optimizer: Any, tokens: torch.Tensor) -> tuple[float, float]:
-    """One training step; returns (total seconds, optimizer seconds)."""
+@contextlib.contextmanager
+def _micro_batch(system: System, model: Any, last: bool) -> Iterator[None]:
+    """One micro-batch's forward and backward: gradients synced on the last one only
+    (groupshard: ``no_sync``; FSDP2: ``set_requires_gradient_sync``; DeepSpeed counts
+    micro-batches itself). Kept gathered: units stay gathered after the other backwards."""
+    if system.micro_batches == 1 or _is_deepspeed(model):
+        yield
+        return
+    if system.keep_gathered:
+        model.set_reshard_after_backward(last)
+    if hasattr(model, "groupshard"):
+        with contextlib.nullcontext() if last else model.no_sync():
+            yield
+        return
+    model.set_requires_gradient_sync(last)  # FSDP2
+    yield
+
+
+def _step(
+    system: System,
+    model: Any,
+    optimizer: Any,
+    micro_batches: list[torch.Tensor],
+    after_backward: Callable[[int], None] | None = None,
+) -> tuple[float, float]:
+    """One optimizer step over ``micro_batches`` (the loss of each divided by their number,
+    so that the step sees the mean gradient); returns (total seconds, optimizer seconds).
+    ``after_backward(i)`` runs after micro-batch ``i``'s backward."""
     started = _now()
-    _backward(model, model(tokens[:, :-1], tokens[:, 1:]))
+    count = len(micro_batches)
+    for index, tokens in enumerate(micro_batches):
+        last = index == count - 1
+        with _micro_batch(system, model, last):
+            loss = model(tokens[:, :-1], tokens[:, 1:])
+            if count > 1 and not _is_deepspeed(model):  # DeepSpeed divides by itself
+                loss = loss / count
+            _backward(model, loss)
+        if after_backward is not None:
+            after_backward(index)
+        if not last and _is_deepspeed(model):
+            model.step()  # DeepSpeed wants a step per micro-batch; it steps on the last
     optimizer_started = _now()
     _optimizer_step(model, optimizer)
     finished = _now()
@@ -336,15 +463,51 @@ def _gathered_peak(model: Any) -> Iterator[Callable[[], int | None]]:
         yield lambda: peak[0]
 
 
-def _held_bytes(model: Any, optimizer: Any, tokens: torch.Tensor) -> dict[str, int | None]:
-    """Bytes of parameters, gradients and optimizer state this rank holds at the end of a
-    backward, and the most unsharded parameter bytes held at once during the step."""
+def _held_bytes(
+    system: System, model: Any, optimizer: Any, micro_batches: list[torch.Tensor]
+) -> dict[str, int | None]:
+    """Bytes of parameters, gradients and optimizer state this rank holds at the end of the
+    last backward, the most unsharded parameter bytes held at once during the step, and,
+    with accumulation, the unsharded gradient bytes held after the next-to-last backward."""
+    count = len(micro_batches)
+    held: dict[str, int | None] = {"accumulated_grads": None}
+
+    def measure(index: int) -> None:
+        if count > 1 and index == count - 2:
+            held["accumulated_grads"] = _accumulated_grad_bytes(model)
+        if index == count - 1:
+            held.update(_counted_bytes(model, optimizer))
+
     with _gathered_peak(model) as gathered_peak:
-        _backward(model, model(tokens[:, :-1], tokens[:, 1:]))
-        held = _counted_bytes(model, optimizer)
-        _optimizer_step(model, optimizer)
+        _step(system, model, optimizer, micro_batches, measure)
         held["gathered_peak"] = gathered_peak()
     return held
+
+
+def _accumulated_grad_bytes(model: Any) -> int | None:
+    """Bytes of the unsharded gradients a rank holds between backwards without gradient
+    sync: groupshard's local sums (``storage.accumulated_grad``); FSDP2's unsharded
+    gradients (``unsharded_accumulated_grad`` when it accumulates in another dtype than
+    it computes, else the unsharded parameters' ``.grad``); None for other systems."""
+    if hasattr(model, "groupshard"):
+        sums = [s.accumulated_grad for s in model.groupshard.storages]
+        return _unique_bytes([g for g in sums if g is not None])
+    if not hasattr(model, "_get_fsdp_state"):
+        return None
+    from torch.distributed.fsdp import FSDPModule
+
+    grads = []
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = module._get_fsdp_state()._fsdp_param_group
+        for fsdp_param in group.fsdp_params if group is not None else ():
+            if fsdp_param.unsharded_accumulated_grad is not None:
+                grads.append(fsdp_param.unsharded_accumulated_grad)
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None and unsharded.grad is not None:
+                grads.append(unsharded.grad)
+    return _unique_bytes(grads)
 
 
 def _counted_bytes(model: Any, optimizer: Any) -> dict[str, int | None]:
@@ -369,23 +532,27 @@ def _counted_bytes(model: Any, optimizer: Any) -> dict[str, int | None]:
             "state": _unique_bytes(states)}  # fmt: skip
 
 
-def _groupshard_volume() -> tuple[dict[str, Any], list[float]]:
-    """Patches for groupshard's comm functions that add up the bytes each rank moves,
-    with the ideal algorithm for each collective: (N-1)/N of the gathered or scattered
-    buffer, twice that for an all-reduce."""
+def _groupshard_volume() -> tuple[dict[str, Any], dict[str, float], dict[str, int]]:
+    """Patches for groupshard's comm functions that add up the bytes each rank moves, per
+    function, with the ideal algorithm for each collective: (N-1)/N of the gathered or
+    scattered buffer (in its own dtype: bf16 gathers count 2 bytes an element), twice that
+    for an all-reduce; and how many times each runs."""
     from groupshard import comm
 
-    moved = [0.0]
+    moved: dict[str, float] = {}
+    calls: dict[str, int] = {}
 
     def counting(name: str, factor: float, which: int) -> Any:
         original = getattr(comm, name)
 
-        def wrapper(*args: Any) -> Any:
-            tensor, ranks = args[which], args[-1]
-            moved[0] += (
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            tensor = args[which]
+            ranks = next(a for a in (*args, *kwargs.values()) if isinstance(a, comm.Ranks))
+            moved[name] = moved.get(name, 0.0) + (
                 factor * tensor.numel() * tensor.element_size() * (ranks.size - 1) / ranks.size
             )
-            return original(*args)
+            calls[name] = calls.get(name, 0) + 1
+            return original(*args, **kwargs)
 
         return wrapper
 
@@ -395,17 +562,21 @@ def _groupshard_volume() -> tuple[dict[str, Any], list[float]]:
         "all_reduce_mean": counting("all_reduce_mean", 2.0, 0),
         "all_reduce_sum": counting("all_reduce_sum", 2.0, 0),
     }
-    return patches, moved
+    return patches, moved, calls
 
 
 SIZED_OPS = {"c10d::_allgather_base_": 0, "c10d::_reduce_scatter_base_": 1}
 """c10d ops whose sizes torch.profiler records: index of the whole (unsharded) buffer
 among their inputs. Ops on tensor lists (all-reduce, broadcast) record no shapes."""
 
+DTYPE_BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2}
+"""Element sizes of the dtype names torch.profiler records."""
+
 
 def _profiled_bytes(events: list[Any], world_size: int, element_size: int) -> float | None:
     """Bytes per rank the recorded c10d ops move with ideal algorithms ((N-1)/N of each
-    gathered or scattered buffer), or None when some op recorded no sizes."""
+    gathered or scattered buffer, in the dtype the profiler records, else
+    ``element_size``), or None when some op recorded no sizes."""
     moved = 0.0
     for event in events:
         whole = SIZED_OPS.get(event.name)
@@ -414,41 +585,89 @@ def _profiled_bytes(events: list[Any], world_size: int, element_size: int) -> fl
         numel = 1
         for dim in event.input_shapes[whole]:
             numel *= dim
-        moved += numel * element_size * (world_size - 1) / world_size
+        dtypes = getattr(event, "input_dtypes", None) or []
+        size = DTYPE_BYTES.get(dtypes[whole], element_size) if len(dtypes) > whole else element_size
+        moved += numel * size * (world_size - 1) / world_size
     return moved
 
 
-def _collectives(model: Any, optimizer: Any, tokens: torch.Tensor) -> dict[str, Any]:
-    """The c10d ops of one warm step, as torch.profiler records them, and the bytes moved
-    per rank: for groupshard counted in its comm functions, for others from the sizes
-    the profiler records (all-gather and reduce-scatter only; None otherwise)."""
+@dataclass(frozen=True)
+class _Op:
+    name: str
+    input_shapes: list[list[int]]
+    input_dtypes: list[str]
+
+
+def _c10d_events(prof: Any) -> list[Any]:
+    """The profiled ``c10d::`` ops but barriers, read from the raw Kineto events (building
+    torch's FunctionEvent tree of every op costs seconds on an accumulation step)."""
+    try:
+        raw = [(e.name(), e.shapes(), e.dtypes()) for e in prof.profiler.kineto_results.events()]
+    except AttributeError:  # another torch: the public, slower way
+        raw = [(e.name, e.input_shapes, getattr(e, "input_dtypes", None) or [])
+               for e in prof.events()]  # fmt: skip
+    return [
+        _Op(name, shapes, dtypes)
+        for name, shapes, dtypes in raw
+        if name.startswith("c10d::") and not name.startswith("c10d::barrier")
+    ]
+
+
+def _collectives(
+    system: System, model: Any, optimizer: Any, micro_batches: list[torch.Tensor]
+) -> dict[str, Any]:
+    """The c10d ops of one warm optimizer step (all its micro-batches), as torch.profiler
+    records them, and the bytes moved per rank: for groupshard counted in its comm
+    functions, for others from the sizes the profiler records (all-gather and
+    reduce-scatter only; None otherwise). Also apart: gathered bytes, reduced bytes and
+    the number of gradient reduce-scatters (groupshard: its ``reduce_scatter_mean`` calls,
+    which gloo runs as all-reduces; others: the profiled reduce-scatters)."""
     from torch.profiler import ProfilerActivity, profile
 
     from groupshard import comm
 
-    patches, moved = _groupshard_volume()
+    patches, moved, calls = _groupshard_volume()
     with (
         mock.patch.multiple(comm, **patches),
         profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof,
     ):
-        _step(model, optimizer, tokens)
-    events = [
-        event
-        for event in prof.events()
-        if event.name.startswith("c10d::") and not event.name.startswith("c10d::barrier")
-    ]
+        _step(system, model, optimizer, micro_batches)
+    events = _c10d_events(prof)
     ops: dict[str, int] = {}
     for event in events:
         ops[event.name] = ops.get(event.name, 0) + 1
     element_size = next(iter(model.parameters())).element_size()
-    profiled = _profiled_bytes(events, dist.get_world_size(), element_size)
-    return {"count": len(events), "ops": ops, "groupshard_bytes": moved[0] or None,
-            "profiled_bytes": profiled}  # fmt: skip
+    world_size = dist.get_world_size()
+    result = {"count": len(events), "ops": ops, "groupshard_bytes": sum(moved.values()) or None,
+              "profiled_bytes": _profiled_bytes(events, world_size, element_size)}  # fmt: skip
+    if hasattr(model, "groupshard"):
+        result["gather_bytes"] = moved.get("all_gather", 0.0)
+        result["reduce_bytes"] = moved.get("reduce_scatter_mean", 0.0) + moved.get(
+            "all_reduce_mean", 0.0
+        )
+        result["reduce_scatters"] = calls.get("reduce_scatter_mean", 0)
+    else:  # None where some op of the kind recorded no sizes (all-reduces, list all-gathers)
+        for key, kinds in (("gather_bytes", ("allgather",)),
+                           ("reduce_bytes", ("reduce_scatter", "allreduce"))):  # fmt: skip
+            chosen = [event for event in events if any(kind in event.name for kind in kinds)]
+            result[key] = _profiled_bytes(chosen, world_size, element_size)
+        result["reduce_scatters"] = sum(
+            count for op, count in ops.items() if "reduce_scatter" in op
+        )
+    return result
 
 
-def _full_params(name: str, model: Any) -> dict[str, torch.Tensor]:
+def _full_params(name: str, system: System, model: Any) -> dict[str, torch.Tensor]:
+    """The trained parameters, unsharded: the fp32 masters where the model computes in bf16."""
     if hasattr(model, "groupshard"):
         return {k: v for k, v in gs.full_state_dict(model).items()}
+    if name.startswith("DeepSpeed") and system.bf16:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        return {
+            k: safe_get_full_fp32_param(v).detach().clone()
+            for k, v in model.module.named_parameters(remove_duplicate=False)
+        }
     if name.startswith("DeepSpeed"):
         import deepspeed
 
@@ -470,11 +689,52 @@ def _full_params(name: str, model: Any) -> dict[str, torch.Tensor]:
     }
 
 
-def _reference(base: nn.Module, batches: list[torch.Tensor], lamb: bool) -> dict[str, torch.Tensor]:
+def _add(total: list[torch.Tensor], more: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``total`` + ``more`` element-wise, in place (``more`` itself while ``total`` is empty)."""
+    return [a.add_(b) for a, b in zip(total, more, strict=True)] if total else more
+
+
+def _reference(
+    base: nn.Module,
+    batches: list[torch.Tensor],
+    lamb: bool = False,
+    bf16: bool = False,
+    world_size: int = 1,
+    micro_batches: int = 1,
+    same_order: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Single-process training on each step's global batch (every rank's micro-batches).
+
+    fp32: one backward on the whole global batch. bf16 (or ``same_order``): what the
+    sharded runs compute, in their order: a bf16 (fp32) copy of the fp32 masters computes
+    each rank's micro-batches (rank-major, as the ranks take them), each micro-batch's
+    gradient is summed in fp32 per rank, the ranks' sums are averaged in fp32, and the
+    fp32 masters step.
+    """
     model = copy.deepcopy(base)
     optimizer = gs.optim.LAMB(_groups(model), lr=LR) if lamb else _adamw(_groups(model))
+    compute = None
+    if bf16 or same_order:
+        compute = copy.deepcopy(base).to(torch.bfloat16 if bf16 else torch.float32)
     for tokens in batches:
-        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        if compute is None:
+            model(tokens[:, :-1], tokens[:, 1:]).backward()
+        else:
+            with torch.no_grad():
+                for low, master in zip(compute.parameters(), model.parameters(), strict=True):
+                    low.copy_(master)
+            summed: list[torch.Tensor] = []
+            for rank_tokens in tokens.chunk(world_size):
+                local: list[torch.Tensor] = []
+                for micro in rank_tokens.chunk(micro_batches):
+                    loss = compute(micro[:, :-1], micro[:, 1:])
+                    (loss / micro_batches if micro_batches > 1 else loss).backward()
+                    grads = [p.grad.float() for p in compute.parameters()]
+                    compute.zero_grad(set_to_none=True)
+                    local = _add(local, grads)
+                summed = _add(summed, local)
+            for master, grad in zip(model.parameters(), summed, strict=True):
+                master.grad = grad.div_(world_size)
         optimizer.step()
         optimizer.zero_grad()
     return model.state_dict()
@@ -498,30 +758,49 @@ def _worker(rank: int, args: argparse.Namespace, store_path: str, result_path: s
     config, batch = MODELS[args.model]
     torch.manual_seed(0)
     base = GPT(config).to(_device())
-    table = systems(lamb=not args.no_lamb)
+    table = systems(lamb=not args.no_lamb, micro_batches=args.micro_batches)
     if args.only:
         table = {args.only: table[args.only]}
-    built = {name: build(base) for name, build in table.items()}
+    if args.rows:
+        table = {name: system for name, system in table.items() if re.search(args.rows, name)}
+    built = {name: system(base) for name, system in table.items()}
     steps = args.warmup + args.rounds + 2  # + one profiled step + one measured for memory
-    batches = [b.to(_device()) for b in _batches(config, batch, args.world_size, steps)]
-    local = slice(rank * batch, (rank + 1) * batch)
+    # per step, the global batch: every rank's micro-batches, rank-major
+    global_batches = {
+        count: [b.to(_device()) for b in _batches(config, batch * count, args.world_size, steps)]
+        for count in sorted({system.micro_batches for system in table.values()})
+    }
+
+    def mine(system: System, step: int) -> list[torch.Tensor]:
+        """This rank's micro-batches of a step, each ``batch`` sequences."""
+        count = system.micro_batches
+        local = global_batches[count][step][rank * batch * count : (rank + 1) * batch * count]
+        return list(local.chunk(count))
+
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in built}
     for index in range(args.warmup + args.rounds):
         for name, (model, optimizer) in built.items():
             dist.barrier()
-            elapsed = _step(model, optimizer, batches[index][local])
+            elapsed = _step(table[name], model, optimizer, mine(table[name], index))
             if index >= args.warmup:
                 times[name].append(elapsed)
     results: dict[str, Any] = {}
     for name, (model, optimizer) in built.items():
+        system = table[name]
         dist.barrier()
-        results[name] = {"collectives": _collectives(model, optimizer, batches[-2][local])}
-        results[name]["held_bytes"] = _held_bytes(model, optimizer, batches[-1][local])
+        results[name] = {
+            "micro_batches": system.micro_batches, "bf16": system.bf16,
+            "keep_gathered": system.keep_gathered, "baseline": system.baseline,
+            "collectives": _collectives(system, model, optimizer, mine(system, steps - 2)),
+            "held_bytes": _held_bytes(system, model, optimizer, mine(system, steps - 1)),
+        }  # fmt: skip
         if times[name]:
+            results[name]["step_ms_rounds"] = [t * 1e3 for t, _ in times[name]]
             results[name]["step_ms"] = statistics.median(t for t, _ in times[name]) * 1e3
             results[name]["optimizer_ms"] = statistics.median(o for _, o in times[name]) * 1e3
         results[name]["tokens_per_s"] = (
             batch
+            * system.micro_batches
             * args.world_size
             * config.block_size
             / (results[name].get("step_ms", float("nan")) / 1e3)
@@ -530,14 +809,35 @@ def _worker(rank: int, args: argparse.Namespace, store_path: str, result_path: s
     if torch.cuda.is_initialized():
         results["peak_rss_bytes"] = torch.cuda.max_memory_allocated()  # the GPU's, not the host's
     if not args.only:
-        references = {lamb: _reference(base, batches, lamb) for lamb in (False, True)}
-        for name, (model, _) in built.items():
-            full = _full_params(name, model)
-            expected = references["LAMB" in name]
-            results[name]["max_difference"] = max(
+        references: dict[tuple[bool, bool, int, bool], dict[str, torch.Tensor]] = {}
+
+        def reference(
+            lamb: bool, bf16: bool, count: int, same_order: bool = False
+        ) -> dict[str, torch.Tensor]:
+            key = (lamb, bf16, count, same_order)
+            if key not in references:
+                references[key] = _reference(
+                    base, global_batches[count], lamb, bf16, args.world_size, count, same_order
+                )
+            return references[key]
+
+        def difference(full: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
+            return max(
                 (full[k].double().cpu() - expected[k].double().cpu()).abs().max().item()
                 for k in expected
             )
+
+        for name, (model, _) in built.items():
+            system = table[name]
+            full = _full_params(name, system, model)
+            expected = reference(system.lamb, system.bf16, system.micro_batches)
+            results[name]["max_difference"] = difference(full, expected)
+            if system.bf16:  # for scale: how far bf16 training goes from fp32 training
+                fp32 = reference(system.lamb, False, system.micro_batches)
+                results[name]["max_difference_from_fp32"] = difference(full, fp32)
+            elif system.micro_batches > 1:  # summing micro-batches in the ranks' order
+                same_order = reference(system.lamb, False, system.micro_batches, True)
+                results[name]["max_difference_same_order"] = difference(full, same_order)
     gathered = [None] * args.world_size
     dist.all_gather_object(gathered, results)
     if rank == 0:
@@ -562,20 +862,23 @@ def _spawn(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every system interleaved in one process group, then each alone for its peak RSS."""
+    load_before = os.getloadavg()
     per_rank = _spawn(args)
     names = [n for n in per_rank[0] if n != "peak_rss_bytes"]
     report: dict[str, Any] = {"model": args.model, "world_size": args.world_size,
                               "device": args.device,
                               "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
                                          f"{platform.python_version()}, torch {torch.__version__}",
+                              "load_average": {"before": load_before, "after": os.getloadavg()},
                               "rows": {}}  # fmt: skip
     config, _ = MODELS[args.model]
     total = sum(p.numel() for p in GPT(config).parameters()) * 4
+    if not args.only:
+        report["bf16_speed"] = bf16_speed(*MODELS[args.model])
     for name in names:
         row = dict(per_rank[0][name])
         row["held_bytes_per_rank"] = [
-            sum(v for k, v in r[name]["held_bytes"].items() if k != "gathered_peak")
-            for r in per_rank
+            sum(r[name]["held_bytes"][k] for k in ("params", "grads", "state")) for r in per_rank
         ]  # parameters + gradients + optimizer state
         row["ideal_bytes_per_rank"] = 4 * total // args.world_size  # AdamW: 2 states
         report["rows"][name] = row
@@ -585,10 +888,73 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             report["rows"][name]["peak_rss_bytes_per_rank"] = [
                 r["peak_rss_bytes"] for r in _spawn(single)
             ]
-    fsdp2_ms = report["rows"].get("FSDP2", {}).get("step_ms")
-    for row in report["rows"].values():
+    for row in report["rows"].values():  # to FSDP2 run the same way (precision, accumulation)
+        baseline = report["rows"].get(row["baseline"], {})
+        fsdp2_ms = baseline.get("step_ms")
         row["ratio_to_fsdp2"] = row["step_ms"] / fsdp2_ms if fsdp2_ms else None
+        # the median of each round's ratio: rounds run both one after the other, so a
+        # machine busy with other work for a while slows both (steadier than medians' ratio)
+        mine, theirs = row.get("step_ms_rounds", []), baseline.get("step_ms_rounds", [])
+        ratios = [a / b for a, b in zip(mine, theirs, strict=True)] if theirs else []
+        row["ratio_to_fsdp2_paired"] = statistics.median(ratios) if ratios else None
     return report
+
+
+def _median_ms(fn: Callable[[], Any], repeats: int) -> float:
+    for _ in range(2):  # warm-up
+        fn()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e3
+
+
+def bf16_speed(config: GPTConfig, batch: int, repeats: int = 5) -> dict[str, Any]:
+    """Is bf16 compute faster than fp32 here? One process, one thread (as each rank): the
+    model's forward + backward on one rank's batch, and the matmuls of its Linear layers
+    (forward, input gradient, weight gradient, at that batch's token count, each layer
+    once), in float32 and bfloat16: median ms and the bf16 / fp32 ratio."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        model = GPT(config)
+        tokens = torch.randint(0, config.vocab_size, (batch, config.block_size + 1))
+        rows = batch * config.block_size
+        shapes: dict[tuple[int, int], int] = {}
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                key = (module.in_features, module.out_features)
+                shapes[key] = shapes.get(key, 0) + 1
+        result: dict[str, Any] = {"threads": 1, "tokens": rows, "model_fwd_bwd_ms": {},
+                                  "matmul_ms": {}}  # fmt: skip
+        for dtype in (torch.float32, torch.bfloat16):
+            name = str(dtype).removeprefix("torch.")
+            converted = copy.deepcopy(model).to(dtype)
+
+            def forward_backward(model: nn.Module = converted) -> None:
+                model(tokens[:, :-1], tokens[:, 1:]).backward()
+
+            result["model_fwd_bwd_ms"][name] = _median_ms(forward_backward, repeats)
+            total = 0.0
+            for (n_in, n_out), count in shapes.items():
+                x = torch.randn(rows, n_in, dtype=dtype)
+                w = torch.randn(n_out, n_in, dtype=dtype)
+                g = torch.randn(rows, n_out, dtype=dtype)
+
+                def matmuls(x: torch.Tensor = x, w: torch.Tensor = w, g: torch.Tensor = g) -> None:
+                    x @ w.t(), g @ w, g.t() @ x
+
+                total += count * _median_ms(matmuls, repeats)
+            result["matmul_ms"][name] = total
+        for key in ("model_fwd_bwd_ms", "matmul_ms"):
+            times = result[key]
+            times["bf16_over_fp32"] = times["bfloat16"] / times["float32"]
+        return result
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _moved_bytes(row: dict[str, Any]) -> float | None:
@@ -603,12 +969,14 @@ def print_table(report: dict[str, Any]) -> None:
     columns = ["step ms", "/FSDP2", "tok/s", "optim ms", "held MB/rank", "gathered MB",
                "coll/step", "moved MB", "peak MB", "max diff"]  # fmt: skip
     widths = [8, 7, 8, 9, 13, 11, 9, 8, 12, 9]
-    print(f"{'system':28s} " + " ".join(f"{c:>{w}s}" for c, w in zip(columns, widths, strict=True)))
+    width = max(28, *(len(name) for name in report["rows"]))
+    print(f"{'system':{width}s} "
+          + " ".join(f"{c:>{w}s}" for c, w in zip(columns, widths, strict=True)))  # fmt: skip
     for name, row in report["rows"].items():
         held = max(row["held_bytes_per_rank"]) / 2**20
         rss = row.get("peak_rss_bytes_per_rank")
         print(
-            f"{name:28s} {row['step_ms']:8.1f} {row['ratio_to_fsdp2'] or float('nan'):7.2f} "
+            f"{name:{width}s} {row['step_ms']:8.1f} {row['ratio_to_fsdp2'] or float('nan'):7.2f} "
             f"{row['tokens_per_s']:8.0f} {row['optimizer_ms']:9.1f} {held:13.2f} "
             f"{(row['held_bytes'].get('gathered_peak') or nan) / 2**20:11.2f} "
             f"{row['collectives']['count']:9d} "
@@ -616,10 +984,68 @@ def print_table(report: dict[str, Any]) -> None:
             f"{(max(rss) / 2**20) if rss else float('nan'):12.0f} "
             f"{row.get('max_difference', float('nan')):9.1e}"
         )
-    print("moved MB: bytes per rank with ideal algorithms, through groupshard's collectives or "
-          "from the sizes torch.profiler records\n(only all-gathers and reduce-scatters have them);"
-          " 3 x parameter bytes x (N-1)/N for full.\ngloo runs a reduce-scatter as a full "
-          "all-reduce: sharded systems pay more for gradients on CPU than over NCCL.")  # fmt: skip
+    print("/FSDP2: step time over FSDP2's, run the same way (bf16, accumulation); step: one "
+          "optimizer step (all its micro-batches).\nmoved MB: bytes per rank with ideal "
+          "algorithms, through groupshard's collectives or from the sizes torch.profiler "
+          "records\n(only all-gathers and reduce-scatters have them); 3 x parameter bytes x "
+          "(N-1)/N for full.\ngloo runs a reduce-scatter as a full all-reduce: sharded "
+          "systems pay more for gradients on CPU than over NCCL.")  # fmt: skip
+    print_precision_table(report)
+
+
+def print_precision_table(report: dict[str, Any]) -> None:
+    """The mixed precision and accumulation rows, with the fp32 rows they build on."""
+    nan = float("nan")
+    rows = {
+        name: row
+        for name, row in report["rows"].items()
+        if row.get("bf16")
+        or row.get("micro_batches", 1) > 1
+        or name in ("FSDP2", "groupshard full")
+    }
+    if not rows:
+        return
+    width = max(len(name) for name in rows)
+    columns = ["step ms", "/FSDP2", "paired", "gather MB", "reduce MB", "RS/step", "accum MB",
+               "max diff", "in order", "vs fp32"]  # fmt: skip
+    widths = [8, 7, 7, 10, 10, 8, 9, 9, 9, 9]
+    counts = ", ".join(str(c) for c in sorted({r["micro_batches"] for r in rows.values()} - {1}))
+    accumulation = f" ({counts} micro-batches per optimizer step)" if counts else ""
+    print(f"\nmixed precision and accumulation{accumulation}")
+    print(f"{'system':{width}s} "
+          + " ".join(f"{c:>{w}s}" for c, w in zip(columns, widths, strict=True)))  # fmt: skip
+    for name, row in rows.items():
+        collectives = row["collectives"]
+        accumulated = row["held_bytes"].get("accumulated_grads")
+        print(
+            f"{name:{width}s} {row['step_ms']:8.1f} {row['ratio_to_fsdp2'] or nan:7.2f} "
+            f"{row.get('ratio_to_fsdp2_paired') or nan:7.2f} "
+            f"{(collectives.get('gather_bytes') or nan) / 2**20:10.2f} "
+            f"{(collectives.get('reduce_bytes') or nan) / 2**20:10.2f} "
+            f"{collectives.get('reduce_scatters', 0):8d} "
+            f"{(nan if accumulated is None else accumulated) / 2**20:9.2f} "
+            f"{row.get('max_difference', nan):9.1e} "
+            f"{row.get('max_difference_same_order', nan):9.1e} "
+            f"{row.get('max_difference_from_fp32', nan):9.1e}"
+        )
+    notes = (
+        "paired: median over rounds of the round's ratio to the FSDP2 row (both ran one after "
+        "the other);\ngather / reduce MB: per rank per optimizer step (groupshard's "
+        "reduce-scatters run as all-reduces on gloo: RS/step counts them);\naccum MB: "
+        "unsharded gradient bytes held after the next-to-last micro-batch;\nmax diff: from one "
+        "process on the global batch (bf16: doing the ranks' casts, in their order); in order: "
+        "fp32, from one process\nsumming micro-batches in the ranks' order; vs fp32: bf16, from "
+        "one process training in fp32. AdamW turns rounding in tiny gradient\nelements into "
+        "~lr/10."
+    )
+    print(notes)
+    speed = report.get("bf16_speed")
+    if speed:
+        model, matmul = speed["model_fwd_bwd_ms"], speed["matmul_ms"]
+        print(f"bf16 / fp32 compute time, one process, one thread: model forward + backward "
+              f"{model['bf16_over_fp32']:.2f} ({model['bfloat16']:.1f} / {model['float32']:.1f} "
+              f"ms), Linear matmuls {matmul['bf16_over_fp32']:.2f} ({matmul['bfloat16']:.1f} / "
+              f"{matmul['float32']:.1f} ms)")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -638,11 +1064,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--no-lamb", action="store_true", help="skip the LAMB rows")
     parser.add_argument(
+        "--micro-batches", type=int, default=MICRO_BATCHES,
+        help="micro-batches per optimizer step in the accumulation rows (at least 2)",
+    )  # fmt: skip
+    parser.add_argument(
         "--rss", action="store_true", help="also measure each system's peak RSS alone"
     )
     parser.add_argument("--json", default="benchmark.json", help="where to write the results")
+    parser.add_argument(
+        "--rows", metavar="REGEX", help="only the rows whose name matches (re.search)"
+    )
     parser.add_argument("--only", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.micro_batches < 2:
+        parser.error(f"--micro-batches must be at least 2, got {args.micro_batches}")
     report = run(args)
     with open(args.json, "w") as handle:
         json.dump(report, handle, indent=1)
