@@ -1,13 +1,36 @@
 """The project benchmark: the same training step, every system, interleaved in one run.
 
     python benchmarks/run.py [--model 4m|small-params|30m|tiny] [--world-size 2] [--rounds 10]
-                             [--device cpu|cuda] [--rss] [--rows REGEX]
+                             [--device cpu|cuda] [--rss] [--rows REGEX|muon-only] [--muon]
 
 Systems: DDP, torch ZeroRedundancyOptimizer + DDP, FSDP2 (``fully_shard`` per block
 and root), FSDP1 (``use_orig_params``, per block), DeepSpeed ZeRO 1/2/3 (when
 installed: ``pip install -e ".[bench]"``), groupshard full / grad_op / no_shard /
 ZeRO + DDP / full with 8 groups, and LAMB: groupshard vs FSDP2 + per-parameter
 LAMB. All get the same two groups (decay / no decay), AdamW unless named.
+
+Muon (``--muon``; off by default, Newton-Schulz on every rank is slow on CPU): the hidden
+matrices (``gs.muon_groups``: the blocks' 2-D weights) in Muon (lr 0.02, weight decay 0.1,
+torch.optim.Muon's defaults otherwise), the rest in AdamW in the two groups above (lr 1e-3;
+embeddings weight decay 0.1, vectors 0.0); each row is compared with one process doing
+torch.optim.Muon + torch.optim.AdamW, its step time with "FSDP2 + torch Muon":
+"DDP + torch Muon" (every rank orthogonalizes every matrix: the replicated baseline),
+"torch ZeRO + DDP + Muon" (torch's ZeroRedundancyOptimizer with torch.optim.Muon, whole
+matrices per rank by its greedy partition, and a second one with AdamW for the rest: both
+ZeRO-sharded), "FSDP2 + torch Muon" (torch.optim.Muon straight on FSDP2's DTensors: it
+accepts them, and DTensor dispatch redistributes inside Newton-Schulz: per matrix and step
+6 all-reduces and 7-8 all-gathers at world size 2 and 4), "FSDP2 + Muon, full_tensor per
+matrix" (torch.optim.Muon's math with one ``full_tensor()`` all-gather of each momentum-
+updated matrix, orthogonalized on every rank, each keeping its own shard),
+"groupshard full + Muon" (``gs.shard`` + ``gs.optim.Muon``) and "groupshard ZeRO + DDP +
+Muon" (``gs.ZeroRedundancyOptimizer(groups, gs.optim.Muon)`` + DDP). No DeepSpeed Muon
+row: DeepSpeed is not installed where these rows were written (torch 2.13 CPU); DeepSpeed
+0.19.8 has one (``"optimizer": {"type": "Muon"}``, orthogonalizing in its ZeRO 1/2
+partitioning, with its own Newton-Schulz: "gram" by default, not torch.optim.Muon's), so a
+row for it would need its own tolerance; not checked here. The Muon table
+adds each row's optimizer step over "DDP + torch Muon"'s, and each system's step time
+with Muon over its AdamW row's (``--rows muon-only``: the Muon rows and those AdamW rows
+alone).
 
 Mixed precision and gradient accumulation: groupshard full, FSDP2 and DeepSpeed ZeRO-3 in
 bf16 (gathered and computing in bf16, gradients reduced in fp32 into fp32 masters:
@@ -77,6 +100,21 @@ MODELS = {
     "tiny": (GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32), 2),
 }
 LR = 1e-3
+MUON_LR, MUON_WEIGHT_DECAY = 0.02, 0.1
+"""The Muon group's hyperparameters in the Muon rows (weight decay: torch.optim.Muon's default)."""
+MUON_PARTNERS = {
+    "DDP + torch Muon": "DDP",
+    "torch ZeRO + DDP + Muon": "torch ZeRO + DDP",
+    "FSDP2 + torch Muon": "FSDP2",
+    "FSDP2 + Muon, full_tensor per matrix": "FSDP2",
+    "groupshard full + Muon": "groupshard full",
+    "groupshard ZeRO + DDP + Muon": "groupshard ZeRO + DDP",
+}
+"""Each Muon row and the AdamW row of the same system."""
+MUON_ROWS = "|".join(
+    f"^{re.escape(name)}$" for name in (*MUON_PARTNERS, *dict.fromkeys(MUON_PARTNERS.values()))
+)
+"""``--rows`` for the Muon rows and their AdamW rows only."""
 MICRO_BATCHES = 4
 """Micro-batches per optimizer step in the accumulation rows (``--micro-batches``)."""
 
@@ -136,6 +174,89 @@ def _eight_groups(model: nn.Module) -> list[dict[str, Any]]:
     ]
 
 
+def _muon_groups(model: nn.Module) -> list[dict[str, Any]]:
+    """The hidden matrices in Muon, the rest in AdamW in the AdamW rows' two groups (2-D
+    embeddings with weight decay, vectors without)."""
+    muon, rest = gs.muon_groups(model)
+    no_decay = {id(p) for p in _groups(model)[1]["params"]}
+    adamw = {"use_muon": False, "lr": LR}
+    return [
+        {**muon, "lr": MUON_LR, "weight_decay": MUON_WEIGHT_DECAY},
+        {**adamw, "params": [p for p in rest["params"] if id(p) not in no_decay],
+         "weight_decay": 0.1},
+        {**adamw, "params": [p for p in rest["params"] if id(p) in no_decay],
+         "weight_decay": 0.0},
+    ]  # fmt: skip
+
+
+class _Optimizers:
+    """Several torch optimizers stepped as one (torch's Muon takes matrices only)."""
+
+    def __init__(self, *optimizers: Any) -> None:
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    @property
+    def state(self) -> dict[Any, Any]:  # the local optimizers' (inside torch's ZeRO)
+        return {k: v for o in self.optimizers for k, v in getattr(o, "optim", o).state.items()}
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def _plain(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "use_muon"}
+
+
+def _torch_muon(groups: list[dict[str, Any]], muon_class: Any = None) -> _Optimizers:
+    """torch.optim.Muon (or ``muon_class``) for the Muon group, AdamW for the rest."""
+    muon, *rest = groups
+    muon_class = muon_class or torch.optim.Muon
+    return _Optimizers(muon_class([_plain(muon)]), torch.optim.AdamW(list(map(_plain, rest))))
+
+
+class FullTensorMuon(torch.optim.Optimizer):
+    """torch.optim.Muon's math on FSDP2's DTensors, one matrix at a time: the momentum
+    update on the local shard, one ``full_tensor()`` all-gather of the updated matrix,
+    Newton-Schulz on every rank, and each rank keeps the rows of its own shard."""
+
+    def __init__(self, params: Any, lr: float = MUON_LR, weight_decay: float = MUON_WEIGHT_DECAY):
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=0.95))
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        from torch.distributed.tensor import distribute_tensor
+        from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+        from groupshard.optim.muon import NS_COEFFICIENTS, NS_EPS, NS_STEPS
+
+        for group in self.param_groups:
+            momentum = group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["momentum_buffer"] = torch.zeros_like(p)
+                buffer = state["momentum_buffer"]
+                buffer.lerp_(p.grad, 1 - momentum)
+                update = p.grad.lerp(buffer, momentum).full_tensor()  # nesterov
+                update = _zeropower_via_newtonschulz(update, NS_COEFFICIENTS, NS_STEPS, NS_EPS)
+                local = distribute_tensor(
+                    update, p.device_mesh, p.placements, src_data_rank=None
+                )  # this rank's rows, no communication
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(local, alpha=-_adjust_lr(group["lr"], None, p.shape))
+
+
 def ddp(base: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -156,9 +277,36 @@ def torch_zero(base: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
     return DDP(model), optimizer
 
 
+def ddp_muon(base: nn.Module) -> tuple[nn.Module, Any]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = copy.deepcopy(base)
+    return DDP(model), _torch_muon(_muon_groups(model))
+
+
+def torch_zero_muon(base: nn.Module) -> tuple[nn.Module, Any]:
+    """torch's ZeroRedundancyOptimizer with torch.optim.Muon (whole matrices per rank, by
+    its greedy partition), and another with AdamW for the rest (also ZeRO-sharded)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = copy.deepcopy(base)
+    muon, decay, no_decay = map(_plain, _muon_groups(model))
+    muon_optimizer = ZeroRedundancyOptimizer(
+        muon["params"], torch.optim.Muon, lr=MUON_LR, weight_decay=MUON_WEIGHT_DECAY,
+        parameters_as_bucket_view=True,
+    )  # fmt: skip
+    adamw = ZeroRedundancyOptimizer(
+        decay["params"], torch.optim.AdamW, lr=LR, weight_decay=0.1,
+        parameters_as_bucket_view=True,
+    )  # fmt: skip
+    adamw.add_param_group(no_decay)  # its constructor takes one group
+    return DDP(model), _Optimizers(muon_optimizer, adamw)
+
+
 def fsdp2(
-    base: nn.Module, lamb: bool = False, bf16: bool = False
-) -> tuple[nn.Module, torch.optim.Optimizer]:
+    base: nn.Module, lamb: bool = False, bf16: bool = False, muon: str | None = None
+) -> tuple[nn.Module, Any]:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy()  # FSDP2's default: no casts
@@ -168,6 +316,10 @@ def fsdp2(
     for block in model.blocks:
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
+    if muon == "torch":  # torch.optim.Muon on the DTensors as they are
+        return model, _torch_muon(_muon_groups(model))
+    if muon == "full_tensor":
+        return model, _torch_muon(_muon_groups(model), FullTensorMuon)
     groups = _groups(model)
     return model, PerParameterLAMB(groups) if lamb else _adamw(groups)
 
@@ -189,17 +341,22 @@ def groupshard(
     groups: Callable[[nn.Module], Any] = _groups,
     prefetch_bytes: int = 25 * 2**20,
     bf16: bool = False,
+    muon: bool = False,
 ) -> Callable[[nn.Module], tuple[nn.Module, torch.optim.Optimizer]]:
     policy = gs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
     def build(base: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
         model = copy.deepcopy(base)
         model = gs.shard(
-            model, groups(model), unit=Block, strategy=strategy, prefetch_bytes=prefetch_bytes,
-            mixed_precision=policy if bf16 else None,
+            model, (_muon_groups if muon else groups)(model), unit=Block, strategy=strategy,
+            prefetch_bytes=prefetch_bytes, mixed_precision=policy if bf16 else None,
         )  # fmt: skip
         if lamb:
             return model, gs.optim.LAMB(model.optimizer_groups(), lr=LR)
+        if muon:
+            return model, gs.optim.Muon(
+                model.optimizer_groups(), lr=MUON_LR, weight_decay=MUON_WEIGHT_DECAY
+            )
         return model, _adamw(model.optimizer_groups())
 
     return build
@@ -212,6 +369,17 @@ def groupshard_zero(base: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
     optimizer = gs.ZeroRedundancyOptimizer(
         _groups(model), torch.optim.AdamW, lr=LR, parameters_as_bucket_view=True
     )
+    return DDP(model), optimizer
+
+
+def groupshard_zero_muon(base: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = copy.deepcopy(base)
+    optimizer = gs.ZeroRedundancyOptimizer(
+        _muon_groups(model), gs.optim.Muon, lr=MUON_LR, weight_decay=MUON_WEIGHT_DECAY,
+        parameters_as_bucket_view=True,
+    )  # fmt: skip
     return DDP(model), optimizer
 
 
@@ -259,6 +427,7 @@ class System:
     bf16: bool = False  # computes in bf16 (fp32 masters): compared with a bf16 reference
     keep_gathered: bool = False  # units stay gathered after the accumulating backwards
     lamb: bool = False  # compared with a LAMB reference
+    muon: bool = False  # compared with a torch.optim.Muon + AdamW reference
     baseline: str = "FSDP2"  # the row its step time is compared with
 
     def __call__(self, base: nn.Module) -> tuple[nn.Module, Any]:
@@ -299,7 +468,24 @@ def _precision_rows(deepspeed: bool, micro_batches: int) -> dict[str, System]:
     return rows
 
 
-def systems(lamb: bool = True, micro_batches: int = MICRO_BATCHES) -> dict[str, System]:
+def _muon_rows() -> dict[str, System]:
+    """Muon for the hidden matrices, AdamW for the rest; step time compared with FSDP2's."""
+    options = dict(muon=True, baseline="FSDP2 + torch Muon")
+    return {
+        "DDP + torch Muon": System(ddp_muon, **options),
+        "torch ZeRO + DDP + Muon": System(torch_zero_muon, **options),
+        "FSDP2 + torch Muon": System(lambda base: fsdp2(base, muon="torch"), **options),
+        "FSDP2 + Muon, full_tensor per matrix": System(
+            lambda base: fsdp2(base, muon="full_tensor"), **options
+        ),
+        "groupshard full + Muon": System(groupshard("full", muon=True), **options),
+        "groupshard ZeRO + DDP + Muon": System(groupshard_zero_muon, **options),
+    }
+
+
+def systems(
+    lamb: bool = True, micro_batches: int = MICRO_BATCHES, muon: bool = False
+) -> dict[str, System]:
     deepspeed = _deepspeed_available()
     table: dict[str, System] = {
         "DDP": System(ddp),
@@ -322,6 +508,8 @@ def systems(lamb: bool = True, micro_batches: int = MICRO_BATCHES) -> dict[str, 
         table["groupshard full + LAMB"] = System(groupshard("full", lamb=True), lamb=True)
         table["FSDP2 + per-parameter LAMB"] = System(lambda base: fsdp2(base, lamb=True), lamb=True)
     table.update(_precision_rows(deepspeed, micro_batches))
+    if muon:
+        table.update(_muon_rows())
     return table
 
 
@@ -532,11 +720,13 @@ def _counted_bytes(model: Any, optimizer: Any) -> dict[str, int | None]:
             "state": _unique_bytes(states)}  # fmt: skip
 
 
-def _groupshard_volume() -> tuple[dict[str, Any], dict[str, float], dict[str, int]]:
+def _groupshard_volume() -> tuple[dict[str, Any], dict[str, float], dict[str, int], dict[str, int]]:
     """Patches for groupshard's comm functions that add up the bytes each rank moves, per
     function, with the ideal algorithm for each collective: (N-1)/N of the gathered or
     scattered buffer (in its own dtype: bf16 gathers count 2 bytes an element), twice that
-    for an all-reduce; and how many times each runs."""
+    for an all-reduce, the chunks sent to other ranks for an all-to-all; and how many times
+    each runs; and ``held["all_to_all_buffers"]``: the largest send + receive buffers of one
+    all-to-all (gs.optim.Muon's, reused for the way back), not counted in the bytes."""
     from groupshard import comm
 
     moved: dict[str, float] = {}
@@ -556,13 +746,27 @@ def _groupshard_volume() -> tuple[dict[str, Any], dict[str, float], dict[str, in
 
         return wrapper
 
+    original_all_to_all = comm.all_to_all
+
+    def all_to_all(output: torch.Tensor, source: torch.Tensor, output_splits: Any,
+                   input_splits: Any, ranks: Any, *args: Any, **kwargs: Any) -> Any:  # fmt: skip
+        sent = sum(n for rank, n in enumerate(input_splits) if rank != ranks.rank)
+        moved["all_to_all"] = moved.get("all_to_all", 0.0) + sent * source.element_size()
+        calls["all_to_all"] = calls.get("all_to_all", 0) + 1
+        buffers = source.numel() * source.element_size() + output.numel() * output.element_size()
+        held["all_to_all_buffers"] = max(held.get("all_to_all_buffers", 0), buffers)
+        return original_all_to_all(output, source, output_splits, input_splits, ranks, *args,
+                                   **kwargs)  # fmt: skip
+
+    held: dict[str, int] = {}
     patches = {
+        "all_to_all": all_to_all,
         "all_gather": counting("all_gather", 1.0, 0),
         "reduce_scatter_mean": counting("reduce_scatter_mean", 1.0, 1),
         "all_reduce_mean": counting("all_reduce_mean", 2.0, 0),
         "all_reduce_sum": counting("all_reduce_sum", 2.0, 0),
     }
-    return patches, moved, calls
+    return patches, moved, calls, held
 
 
 SIZED_OPS = {"c10d::_allgather_base_": 0, "c10d::_reduce_scatter_base_": 1}
@@ -626,7 +830,7 @@ def _collectives(
 
     from groupshard import comm
 
-    patches, moved, calls = _groupshard_volume()
+    patches, moved, calls, held = _groupshard_volume()
     with (
         mock.patch.multiple(comm, **patches),
         profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof,
@@ -646,7 +850,12 @@ def _collectives(
             "all_reduce_mean", 0.0
         )
         result["reduce_scatters"] = calls.get("reduce_scatter_mean", 0)
-    else:  # None where some op of the kind recorded no sizes (all-reduces, list all-gathers)
+    if calls.get("all_to_all"):  # gs.optim.Muon's exchanges
+        result["all_to_alls"] = calls["all_to_all"]
+        result["all_to_all_bytes"] = moved["all_to_all"]
+        result["all_to_all_buffer_bytes"] = held["all_to_all_buffers"]
+    if not hasattr(model, "groupshard"):
+        # None where some op of the kind recorded no sizes (all-reduces, list all-gathers)
         for key, kinds in (("gather_bytes", ("allgather",)),
                            ("reduce_bytes", ("reduce_scatter", "allreduce"))):  # fmt: skip
             chosen = [event for event in events if any(kind in event.name for kind in kinds)]
@@ -702,8 +911,10 @@ def _reference(
     world_size: int = 1,
     micro_batches: int = 1,
     same_order: bool = False,
+    muon: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Single-process training on each step's global batch (every rank's micro-batches).
+    """Single-process training on each step's global batch (every rank's micro-batches),
+    with AdamW, LAMB or (``muon``) torch.optim.Muon + torch.optim.AdamW.
 
     fp32: one backward on the whole global batch. bf16 (or ``same_order``): what the
     sharded runs compute, in their order: a bf16 (fp32) copy of the fp32 masters computes
@@ -712,7 +923,9 @@ def _reference(
     fp32 masters step.
     """
     model = copy.deepcopy(base)
-    optimizer = gs.optim.LAMB(_groups(model), lr=LR) if lamb else _adamw(_groups(model))
+    optimizer: Any = gs.optim.LAMB(_groups(model), lr=LR) if lamb else _adamw(_groups(model))
+    if muon:
+        optimizer = _torch_muon(_muon_groups(model))
     compute = None
     if bf16 or same_order:
         compute = copy.deepcopy(base).to(torch.bfloat16 if bf16 else torch.float32)
@@ -758,7 +971,7 @@ def _worker(rank: int, args: argparse.Namespace, store_path: str, result_path: s
     config, batch = MODELS[args.model]
     torch.manual_seed(0)
     base = GPT(config).to(_device())
-    table = systems(lamb=not args.no_lamb, micro_batches=args.micro_batches)
+    table = systems(lamb=not args.no_lamb, micro_batches=args.micro_batches, muon=args.muon)
     if args.only:
         table = {args.only: table[args.only]}
     if args.rows:
@@ -790,12 +1003,13 @@ def _worker(rank: int, args: argparse.Namespace, store_path: str, result_path: s
         dist.barrier()
         results[name] = {
             "micro_batches": system.micro_batches, "bf16": system.bf16,
-            "keep_gathered": system.keep_gathered, "baseline": system.baseline,
+            "keep_gathered": system.keep_gathered, "baseline": system.baseline, "muon": system.muon,
             "collectives": _collectives(system, model, optimizer, mine(system, steps - 2)),
             "held_bytes": _held_bytes(system, model, optimizer, mine(system, steps - 1)),
         }  # fmt: skip
         if times[name]:
             results[name]["step_ms_rounds"] = [t * 1e3 for t, _ in times[name]]
+            results[name]["optimizer_ms_rounds"] = [o * 1e3 for _, o in times[name]]
             results[name]["step_ms"] = statistics.median(t for t, _ in times[name]) * 1e3
             results[name]["optimizer_ms"] = statistics.median(o for _, o in times[name]) * 1e3
         results[name]["tokens_per_s"] = (
@@ -809,16 +1023,17 @@ def _worker(rank: int, args: argparse.Namespace, store_path: str, result_path: s
     if torch.cuda.is_initialized():
         results["peak_rss_bytes"] = torch.cuda.max_memory_allocated()  # the GPU's, not the host's
     if not args.only:
-        references: dict[tuple[bool, bool, int, bool], dict[str, torch.Tensor]] = {}
+        references: dict[tuple[bool, bool, int, bool, bool], dict[str, torch.Tensor]] = {}
 
         def reference(
-            lamb: bool, bf16: bool, count: int, same_order: bool = False
+            lamb: bool, bf16: bool, count: int, same_order: bool = False, muon: bool = False
         ) -> dict[str, torch.Tensor]:
-            key = (lamb, bf16, count, same_order)
+            key = (lamb, bf16, count, same_order, muon)
             if key not in references:
                 references[key] = _reference(
-                    base, global_batches[count], lamb, bf16, args.world_size, count, same_order
-                )
+                    base, global_batches[count], lamb, bf16, args.world_size, count, same_order,
+                    muon,
+                )  # fmt: skip
             return references[key]
 
         def difference(full: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
@@ -830,8 +1045,16 @@ def _worker(rank: int, args: argparse.Namespace, store_path: str, result_path: s
         for name, (model, _) in built.items():
             system = table[name]
             full = _full_params(name, system, model)
-            expected = reference(system.lamb, system.bf16, system.micro_batches)
+            expected = reference(system.lamb, system.bf16, system.micro_batches, muon=system.muon)
             results[name]["max_difference"] = difference(full, expected)
+            if system.muon:
+                # bf16 Newton-Schulz amplifies last-bit gradient differences (fp32 sums in
+                # another order) to a few percent of an update: for scale, how far the
+                # reference trained, and the reference summing each rank's gradient in order
+                start = {k: v.detach() for k, v in base.state_dict().items()}
+                results[name]["trained_distance"] = difference(expected, start)
+                same_order = reference(False, False, 1, True, muon=True)
+                results[name]["max_difference_same_order"] = difference(full, same_order)
             if system.bf16:  # for scale: how far bf16 training goes from fp32 training
                 fp32 = reference(system.lamb, False, system.micro_batches)
                 results[name]["max_difference_from_fp32"] = difference(full, fp32)
@@ -873,6 +1096,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               "rows": {}}  # fmt: skip
     config, _ = MODELS[args.model]
     total = sum(p.numel() for p in GPT(config).parameters()) * 4
+    matrices = sum(p.numel() for p in gs.muon_groups(GPT(config))[0]["params"]) * 4
     if not args.only:
         report["bf16_speed"] = bf16_speed(*MODELS[args.model])
     for name in names:
@@ -881,6 +1105,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             sum(r[name]["held_bytes"][k] for k in ("params", "grads", "state")) for r in per_rank
         ]  # parameters + gradients + optimizer state
         row["ideal_bytes_per_rank"] = 4 * total // args.world_size  # AdamW: 2 states
+        if row.get("muon"):  # Muon: 1 state (momentum) for the matrices
+            row["ideal_bytes_per_rank"] = (4 * total - matrices) // args.world_size
+        if "all_to_all_buffer_bytes" in row["collectives"]:  # gs.optim.Muon's, per rank
+            row["all_to_all_buffer_bytes_per_rank"] = [
+                r[name]["collectives"]["all_to_all_buffer_bytes"] for r in per_rank
+            ]
+            row["all_to_all_bytes_per_rank"] = [
+                r[name]["collectives"]["all_to_all_bytes"] for r in per_rank
+            ]
         report["rows"][name] = row
     if args.rss:
         for name in names:
@@ -897,7 +1130,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         mine, theirs = row.get("step_ms_rounds", []), baseline.get("step_ms_rounds", [])
         ratios = [a / b for a, b in zip(mine, theirs, strict=True)] if theirs else []
         row["ratio_to_fsdp2_paired"] = statistics.median(ratios) if ratios else None
+    _muon_ratios(report["rows"])
     return report
+
+
+def _paired(mine: dict[str, Any], theirs: dict[str, Any] | None, key: str) -> float | None:
+    """The median over rounds of the round's ratio of ``key`` (both rows ran one after the
+    other in each round), or None without the other row."""
+    if not theirs or not theirs.get(key):
+        return None
+    return statistics.median(a / b for a, b in zip(mine[key], theirs[key], strict=True))
+
+
+def _muon_ratios(rows: dict[str, dict[str, Any]]) -> None:
+    """Muon rows: the optimizer step over "DDP + torch Muon"'s and the step over the same
+    system's AdamW row (medians' ratio and paired)."""
+    replicated = rows.get("DDP + torch Muon")
+    for name, row in rows.items():
+        if name not in MUON_PARTNERS:
+            continue
+        if replicated:
+            row["optimizer_ratio_to_ddp_muon"] = row["optimizer_ms"] / replicated["optimizer_ms"]
+            row["optimizer_ratio_to_ddp_muon_paired"] = _paired(
+                row, replicated, "optimizer_ms_rounds"
+            )
+        adamw = rows.get(MUON_PARTNERS[name])
+        row["muon_over_adamw"] = row["step_ms"] / adamw["step_ms"] if adamw else None
+        row["muon_over_adamw_paired"] = _paired(row, adamw, "step_ms_rounds")
 
 
 def _median_ms(fn: Callable[[], Any], repeats: int) -> float:
@@ -991,6 +1250,51 @@ def print_table(report: dict[str, Any]) -> None:
           "(N-1)/N for full.\ngloo runs a reduce-scatter as a full all-reduce: sharded "
           "systems pay more for gradients on CPU than over NCCL.")  # fmt: skip
     print_precision_table(report)
+    print_muon_table(report)
+
+
+def print_muon_table(report: dict[str, Any]) -> None:
+    """The Muon rows: step and optimizer step against the replicated and FSDP2 baselines,
+    the Muon exchange, and each system's Muon step over its AdamW step."""
+    nan = float("nan")
+    rows = {name: row for name, row in report["rows"].items() if name in MUON_PARTNERS}
+    if not rows:
+        return
+    width = max(len(name) for name in rows)
+    columns = ["step ms", "optim ms", "optim/DDP", "paired", "/FSDP2", "paired", "Muon/AdamW",
+               "paired", "A2A", "A2A MB", "buf MB", "max diff", "in order", "trained"]  # fmt: skip
+    widths = [8, 9, 9, 7, 7, 7, 10, 7, 4, 7, 7, 9, 9, 8]
+    print("\nMuon (hidden matrices; AdamW for the rest)")
+    print(f"{'system':{width}s} "
+          + " ".join(f"{c:>{w}s}" for c, w in zip(columns, widths, strict=True)))  # fmt: skip
+    for name, row in rows.items():
+        collectives = row["collectives"]
+        print(
+            f"{name:{width}s} {row['step_ms']:8.1f} {row['optimizer_ms']:9.1f} "
+            f"{row.get('optimizer_ratio_to_ddp_muon') or nan:9.2f} "
+            f"{row.get('optimizer_ratio_to_ddp_muon_paired') or nan:7.2f} "
+            f"{row['ratio_to_fsdp2'] or nan:7.2f} {row.get('ratio_to_fsdp2_paired') or nan:7.2f} "
+            f"{row.get('muon_over_adamw') or nan:10.2f} "
+            f"{row.get('muon_over_adamw_paired') or nan:7.2f} "
+            f"{collectives.get('all_to_alls', 0):4d} "
+            f"{max(row.get('all_to_all_bytes_per_rank', [nan])) / 2**20:7.2f} "
+            f"{max(row.get('all_to_all_buffer_bytes_per_rank', [nan])) / 2**20:7.2f} "
+            f"{row.get('max_difference', nan):9.1e} "
+            f"{row.get('max_difference_same_order', nan):9.1e} "
+            f"{row.get('trained_distance', nan):8.1e}"
+        )
+    print(
+        "optim/DDP: optimizer step over DDP + torch Muon's (every rank orthogonalizes every "
+        "matrix); /FSDP2: step over FSDP2 + torch Muon's;\nMuon/AdamW: step over the same "
+        "system's AdamW row; paired: median over rounds of the round's ratio;\nA2A: "
+        "gs.optim.Muon's all-to-alls per step; A2A MB: sent per rank; buf MB: its send + "
+        "receive buffers (bf16, beyond the shards;\nboth the most of any rank); max diff: from "
+        "one process with torch.optim.Muon + AdamW on the global batch; in order:\nsumming "
+        "each rank's gradient in rank order; trained: how far that reference moved the "
+        "parameters. bf16 Newton-Schulz turns\nlast-bit gradient differences into a few "
+        "percent of an update (tests/test_muon.py): differences up to 10 % of 'trained' are\n"
+        "that, not a bug."
+    )
 
 
 def print_precision_table(report: dict[str, Any]) -> None:
@@ -1064,6 +1368,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--no-lamb", action="store_true", help="skip the LAMB rows")
     parser.add_argument(
+        "--muon", action="store_true",
+        help="add the Muon rows (slow on CPU); --rows muon-only: the Muon rows and the same "
+             "systems' AdamW rows only (implies --muon)",
+    )  # fmt: skip
+    parser.add_argument(
         "--micro-batches", type=int, default=MICRO_BATCHES,
         help="micro-batches per optimizer step in the accumulation rows (at least 2)",
     )  # fmt: skip
@@ -1076,6 +1385,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--only", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.rows == "muon-only":
+        args.rows, args.muon = MUON_ROWS, True
     if args.micro_batches < 2:
         parser.error(f"--micro-batches must be at least 2, got {args.micro_batches}")
     report = run(args)
