@@ -1069,12 +1069,16 @@ def _worker(rank: int, args: argparse.Namespace, store_path: str, result_path: s
     dist.destroy_process_group()
 
 
-def _spawn(args: argparse.Namespace) -> list[dict[str, Any]]:
+def spawn_ranks(
+    worker: Callable[..., None], args: argparse.Namespace, world_size: int
+) -> list[dict[str, Any]]:
+    """Runs ``worker(rank, args, store_path, result_path)`` on ``world_size`` fresh
+    processes; rank 0 writes every rank's results as JSON to ``result_path``."""
     with tempfile.TemporaryDirectory(prefix="groupshard-bench-") as tmp:
         result_path = os.path.join(tmp, "result.json")
         try:
-            mp.start_processes(_worker, args=(args, os.path.join(tmp, "store"), result_path),
-                               nprocs=args.world_size, start_method="spawn")  # fmt: skip
+            mp.start_processes(worker, args=(args, os.path.join(tmp, "store"), result_path),
+                               nprocs=world_size, start_method="spawn")  # fmt: skip
         except mp.ProcessExitedException:
             # Some systems' threads abort the process at exit (after the results are written).
             if not os.path.exists(result_path):
@@ -1086,7 +1090,7 @@ def _spawn(args: argparse.Namespace) -> list[dict[str, Any]]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every system interleaved in one process group, then each alone for its peak RSS."""
     load_before = os.getloadavg()
-    per_rank = _spawn(args)
+    per_rank = spawn_ranks(_worker, args, args.world_size)
     names = [n for n in per_rank[0] if n != "peak_rss_bytes"]
     report: dict[str, Any] = {"model": args.model, "world_size": args.world_size,
                               "device": args.device,
@@ -1119,7 +1123,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for name in names:
             single = argparse.Namespace(**{**vars(args), "only": name, "warmup": 1, "rounds": 2})
             report["rows"][name]["peak_rss_bytes_per_rank"] = [
-                r["peak_rss_bytes"] for r in _spawn(single)
+                r["peak_rss_bytes"] for r in spawn_ranks(_worker, single, args.world_size)
             ]
     for row in report["rows"].values():  # to FSDP2 run the same way (precision, accumulation)
         baseline = report["rows"].get(row["baseline"], {})
