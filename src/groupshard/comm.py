@@ -214,11 +214,18 @@ def all_reduce_sum(tensor: torch.Tensor, ranks: Ranks) -> None:
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=ranks.group)
 
 
-def all_reduce_max(tensor: torch.Tensor, ranks: Ranks) -> None:
-    """Element-wise maximum of ``tensor`` over ranks, in place."""
+def all_reduce_max(
+    tensor: torch.Tensor,
+    ranks: Ranks,
+    async_op: bool = False,
+    finish: Callable[[], None] | None = None,
+) -> Pending:
+    """Element-wise maximum of ``tensor`` over ranks, in place, then run ``finish`` (at the
+    wait when ``async_op``)."""
     if ranks.group is None:
-        return
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=ranks.group)
+        return _started([], finish, (), async_op=False)
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=ranks.group, async_op=async_op)
+    return _started([work], finish, (tensor,), async_op)
 
 
 def broadcast(tensor: torch.Tensor, ranks: Ranks, src_rank: int = 0) -> None:

@@ -382,9 +382,11 @@ class ShardedRuntime:
                 self._add_pending(storage, accumulated)
         for dtype in list(self._pending):
             self._flush(dtype)
+        combining = self._combine_used()
         self._wait_for_reduces()
         _accumulating.discard(self)
-        self._combine_used()
+        if combining is not None:
+            combining.wait()
 
     def waiting_gradients(self) -> list[str]:
         """Units holding local gradient sums that no synced backward has reduced yet."""
@@ -398,23 +400,27 @@ class ShardedRuntime:
     def shard_ids(self) -> frozenset[int]:
         return frozenset(id(shard) for storage in self.storages for shard in storage.shards)
 
-    def _combine_used(self) -> None:
-        """Which parameters had a gradient in this backward on any rank: one all-reduce."""
+    def _combine_used(self) -> comm.Pending | None:
+        """Which parameters had a gradient in this backward on any rank: one all-reduce,
+        started behind the last gradient reductions (with overlap) and applied at its wait."""
         storages = [s for s in self.storages if s.layout.trainable_buffers]
         if not storages:
-            return
+            return None
         flags = [storage.take_used() for storage in storages]
         combined = torch.tensor(
             [f for per_storage in flags for f in per_storage],
             dtype=torch.uint8,
             device=storages[0].local.device,
         )
-        comm.all_reduce_max(combined, storages[0].ranks)
-        combined = combined.cpu()
-        offset = 0
-        for storage, per_storage in zip(storages, flags, strict=True):
-            storage.add_used(combined[offset : offset + len(per_storage)].bool().tolist())
-            offset += len(per_storage)
+
+        def apply() -> None:
+            values = combined.cpu()
+            offset = 0
+            for storage, per_storage in zip(storages, flags, strict=True):
+                storage.add_used(values[offset : offset + len(per_storage)].bool().tolist())
+                offset += len(per_storage)
+
+        return comm.all_reduce_max(combined, storages[0].ranks, self.overlap, apply)
 
 
 # Runtimes whose storages hold gradient sums of backwards without sync.
