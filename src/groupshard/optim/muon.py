@@ -24,12 +24,14 @@ Note: ownership and communication (sharded parameters)
 
     1. one ``all_to_all``: each rank sends its pieces of every matrix to the matrix's owner,
        in bfloat16 (Newton-Schulz starts with ``U.bfloat16()``, so casting before sending
-       changes no bit);
+       changes no bit); it runs asynchronously while the AdamW groups step;
     2. each owner assembles its matrices (concatenating the pieces in rank order gives the
        flattened matrix), orthogonalizes them one at a time, and writes each result over
        the received pieces;
     3. one ``all_to_all`` back: each rank receives its slices of every orthogonalized
-       matrix and applies weight decay and the update to its shard.
+       matrix and applies weight decay and the update to its shard. While it runs, each
+       rank orthogonalizes and applies the matrices it owns and holds whole ("solo":
+       no other rank holds a piece) from its own update.
 
     Volume per step, per rank r (bfloat16, 2 bytes an element): the first all-to-all
     sends ``S_r`` = the elements of r's shards that belong to matrices owned by other
@@ -101,9 +103,15 @@ def zeropower_via_newtonschulz(
     """
     if matrix.ndim != 2:
         raise ValueError(f"Expects a 2-D matrix but got shape {tuple(matrix.shape)}")
+    return _newton_schulz(matrix.to(NS_DTYPE, copy=True), ns_coefficients, ns_steps, eps)
+
+
+def _newton_schulz(
+    ortho: torch.Tensor, ns_coefficients: Sequence[float], ns_steps: int, eps: float
+) -> torch.Tensor:
+    """``zeropower_via_newtonschulz`` of a bfloat16 matrix that it may scale in place."""
     a, b, c = ns_coefficients
-    ortho = matrix.to(NS_DTYPE, copy=True)
-    tall = matrix.size(0) > matrix.size(1)
+    tall = ortho.size(0) > ortho.size(1)
     if tall:
         ortho = ortho.T
     ortho.div_(ortho.norm().clamp(min=eps))  # spectral norm at most 1
@@ -255,6 +263,10 @@ class _Exchange:
                 if numel:
                     places.append((offset, numel))
                 offset += numel
+        # matrices this rank owns and holds whole ("solo"): orthogonalized from the local
+        # update while the second all-to-all runs (their slots in the buffers go unused)
+        whole = {i for i, m in enumerate(self.matrices) if m.numels[me] == m.rows * m.cols}
+        self.solo = whole.intersection(self.owned)
         self.checked = False
 
     def signature(self) -> list[tuple[str, int, int, tuple[int, ...]]]:
@@ -453,9 +465,10 @@ class Muon(torch.optim.Optimizer):
         loss = evaluate_closure(closure)
         exchanges = self._plans()
         updates: dict[int, torch.Tensor] = {}  # id(sharded param) -> momentum-updated grad
+        adamw_groups = []
         for group in self.param_groups:
             if not group["use_muon"]:
-                self._adamw_step(group)
+                adamw_groups.append(group)
                 continue
             for param in group["params"]:
                 if param.grad is None:
@@ -466,10 +479,15 @@ class Muon(torch.optim.Optimizer):
                     updates[id(param)] = update
                 else:
                     self._local_step(param, update, group, segments)
+        started = []
         for exchange in exchanges:
             if not exchange.checked:
                 exchange.check_same_on_every_rank()
-            self._exchange_step(exchange, updates)
+            started.append(self._exchange_start(exchange, updates))
+        for group in adamw_groups:  # while the pieces travel to their owners
+            self._adamw_step(group)
+        for exchange, transfer in zip(exchanges, started, strict=True):
+            self._exchange_finish(exchange, *transfer)
         return loss
 
     def _momentum_update(self, param: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
@@ -518,8 +536,11 @@ class Muon(torch.optim.Optimizer):
             target = values[begin : begin + slot.numel].view(rows, cols)
             target.add_(ortho, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], rows, cols))
 
-    def _exchange_step(self, exchange: _Exchange, updates: dict[int, torch.Tensor]) -> None:
-        """Pieces to owners, Newton-Schulz on whole matrices, slices back, update."""
+    def _exchange_start(
+        self, exchange: _Exchange, updates: dict[int, torch.Tensor]
+    ) -> tuple[list[torch.Tensor | None], torch.Tensor, torch.Tensor, comm.Pending]:
+        """Pack this rank's pieces of the matrices owned elsewhere (and of its own that
+        others hold pieces of) and start the all-to-all to their owners."""
         me, matrices = exchange.ranks.rank, exchange.matrices
         device = exchange.params[0].device
         flats = [updates.get(id(param)) for param in exchange.params]
@@ -536,28 +557,71 @@ class Muon(torch.optim.Optimizer):
         if sources:
             torch.cat(sources, out=send)  # casts to bfloat16 as NS's first op would
         received = torch.empty(sum(exchange.recv_splits), dtype=NS_DTYPE, device=device)
-        comm.all_to_all(received, send, exchange.recv_splits, exchange.send_splits, exchange.ranks)
+        pending = comm.all_to_all(
+            received, send, exchange.recv_splits, exchange.send_splits, exchange.ranks,
+            async_op=True,
+        )  # fmt: skip
+        return flats, send, received, pending
+
+    def _exchange_finish(
+        self,
+        exchange: _Exchange,
+        flats: list[torch.Tensor | None],
+        send: torch.Tensor,
+        received: torch.Tensor,
+        pending: comm.Pending,
+    ) -> None:
+        """Newton-Schulz on whole matrices, slices back to their ranks, update."""
+        me, matrices = exchange.ranks.rank, exchange.matrices
+        pending.wait()
         for index, places in zip(exchange.owned, exchange.recv_places, strict=True):
+            if index in exchange.solo:
+                continue
             matrix = matrices[index]
             group = self.param_groups[matrix.group]
             pieces = [received[offset : offset + numel] for offset, numel in places]
+            # the pieces in rank order are the flattened matrix; Newton-Schulz may scale
+            # its input in place (received or the concatenation), overwritten below
             whole = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-            ortho = zeropower_via_newtonschulz(
+            ortho = _newton_schulz(
                 whole.view(matrix.rows, matrix.cols),
                 group["ns_coefficients"], group["ns_steps"], group["eps"],
             )  # fmt: skip
-            torch._foreach_copy_(pieces, list(ortho.reshape(-1).split([n for _, n in places])))
-        comm.all_to_all(send, received, exchange.send_splits, exchange.recv_splits, exchange.ranks)
+            if not ortho.is_contiguous():  # a tall matrix's: transposed into the input's place
+                ortho = whole.view(matrix.rows, matrix.cols).copy_(ortho)
+            if ortho.data_ptr() != whole.data_ptr() or len(pieces) > 1:
+                torch._foreach_copy_(pieces, list(ortho.view(-1).split([n for _, n in places])))
+        back = comm.all_to_all(
+            send, received, exchange.send_splits, exchange.recv_splits, exchange.ranks,
+            async_op=True,
+        )  # fmt: skip
         for param, flat, index in zip(exchange.params, flats, exchange.groups, strict=True):
             if flat is not None:
                 group = self.param_groups[index]
                 param.mul_(1 - _scalar(group["lr"]) * group["weight_decay"])
+        for index in exchange.owned:  # held whole here: orthogonalized while slices travel
+            if index not in exchange.solo:
+                continue
+            matrix = matrices[index]
+            flat = flats[matrix.param]
+            if flat is None:
+                continue
+            group = self.param_groups[matrix.group]
+            span = slice(matrix.local_start, matrix.local_start + matrix.rows * matrix.cols)
+            ortho = zeropower_via_newtonschulz(
+                flat.view(-1)[span].view(matrix.rows, matrix.cols),
+                group["ns_coefficients"], group["ns_steps"], group["eps"],
+            )  # fmt: skip
+            lr = adjusted_lr(_scalar(group["lr"]), group["adjust_lr_fn"], matrix.rows, matrix.cols)
+            target = exchange.params[matrix.param].view(-1)[span]
+            target.view(matrix.rows, matrix.cols).add_(ortho, alpha=-lr)
+        back.wait()
         by_alpha: dict[float, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         offset = 0
         for index in exchange.send_order:
             matrix = matrices[index]
             numel = matrix.numels[me]
-            if flats[matrix.param] is not None:
+            if flats[matrix.param] is not None and index not in exchange.solo:
                 group = self.param_groups[matrix.group]
                 lr = adjusted_lr(
                     _scalar(group["lr"]), group["adjust_lr_fn"], matrix.rows, matrix.cols
