@@ -23,11 +23,12 @@ accepts them, and DTensor dispatch redistributes inside Newton-Schulz: per matri
 matrix" (torch.optim.Muon's math with one ``full_tensor()`` all-gather of each momentum-
 updated matrix, orthogonalized on every rank, each keeping its own shard),
 "groupshard full + Muon" (``gs.shard`` + ``gs.optim.Muon``) and "groupshard ZeRO + DDP +
-Muon" (``gs.ZeroRedundancyOptimizer(groups, gs.optim.Muon)`` + DDP). No DeepSpeed Muon
-row: DeepSpeed is not installed where these rows were written (torch 2.13 CPU); DeepSpeed
-0.19.8 has one (``"optimizer": {"type": "Muon"}``, orthogonalizing in its ZeRO 1/2
-partitioning, with its own Newton-Schulz: "gram" by default, not torch.optim.Muon's), so a
-row for it would need its own tolerance; not checked here. The Muon table
+Muon" (``gs.ZeroRedundancyOptimizer(groups, gs.optim.Muon)`` + DDP). Where DeepSpeed is
+installed, "DeepSpeed ZeRO-2 + Muon": DeepSpeed 0.19.8's own Muon (``"type": "Muon"``, run
+inside its ZeRO-2 partitioning, its inline AdamW for the rest) with the ``"standard"``
+Newton-Schulz and torch's AdamW betas and eps; its result is not torch.optim.Muon's (on the
+tiny model it ends about as far from the torch reference as training moved it), so the row
+is compared for speed, its difference reported but not bounded. The Muon table
 adds each row's optimizer step over "DDP + torch Muon"'s, and each system's step time
 with Muon over its AdamW row's (``--rows muon-only``: the Muon rows and those AdamW rows
 alone).
@@ -109,8 +110,9 @@ MUON_PARTNERS = {
     "FSDP2 + Muon, full_tensor per matrix": "FSDP2",
     "groupshard full + Muon": "groupshard full",
     "groupshard ZeRO + DDP + Muon": "groupshard ZeRO + DDP",
+    "DeepSpeed ZeRO-2 + Muon": "DeepSpeed ZeRO-2",
 }
-"""Each Muon row and the AdamW row of the same system."""
+"""Each Muon row and the AdamW row of the same system (DeepSpeed's where it is installed)."""
 MUON_ROWS = "|".join(
     f"^{re.escape(name)}$" for name in (*MUON_PARTNERS, *dict.fromkeys(MUON_PARTNERS.values()))
 )
@@ -384,21 +386,37 @@ def groupshard_zero_muon(base: nn.Module) -> tuple[nn.Module, torch.optim.Optimi
 
 
 def deepspeed_stage(
-    stage: int, bf16: bool = False, micro_batches: int = 1
+    stage: int, bf16: bool = False, micro_batches: int = 1, muon: bool = False
 ) -> Callable[[nn.Module], tuple[nn.Module, Any]]:
+    """DeepSpeed ZeRO-``stage``; with ``muon``, DeepSpeed's own Muon (``"type": "Muon"``,
+    its inline AdamW for the rest) on the Muon rows' groups, with its ``"standard"``
+    Newton-Schulz (torch.optim.Muon's bf16 quintic iteration; its default, ``"gram"``,
+    is another algorithm)."""
+
     def build(base: nn.Module) -> tuple[nn.Module, Any]:
         import deepspeed
 
         model = copy.deepcopy(base)
+        optimizer: dict[str, Any] = {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.1}}
+        groups = _groups(model)
+        if muon:
+            groups = _muon_groups(model)
+            for group in groups:
+                for param in group["params"]:
+                    param.use_muon = group["use_muon"]
+            groups = [{k: v for k, v in g.items() if k != "use_muon"} for g in groups]
+            optimizer = {"type": "Muon", "params": {
+                "lr": LR, "momentum": 0.95, "ns_method": "standard",
+                "betas": [0.9, 0.999], "eps": 1e-8,  # torch.optim.AdamW's (not Muon's own)
+            }}  # fmt: skip
         config: dict[str, Any] = {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": micro_batches,
             "zero_optimization": {"stage": stage},
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.1}},
+            "optimizer": optimizer,
         }
         if bf16:
             config["bf16"] = {"enabled": True}
-        groups = _groups(model)
         engine, optimizer, _, _ = deepspeed.initialize(
             model=model, config=config, model_parameters=groups, dist_init_required=False
         )
@@ -471,7 +489,7 @@ def _precision_rows(deepspeed: bool, micro_batches: int) -> dict[str, System]:
 def _muon_rows() -> dict[str, System]:
     """Muon for the hidden matrices, AdamW for the rest; step time compared with FSDP2's."""
     options = dict(muon=True, baseline="FSDP2 + torch Muon")
-    return {
+    rows = {
         "DDP + torch Muon": System(ddp_muon, **options),
         "torch ZeRO + DDP + Muon": System(torch_zero_muon, **options),
         "FSDP2 + torch Muon": System(lambda base: fsdp2(base, muon="torch"), **options),
@@ -481,6 +499,9 @@ def _muon_rows() -> dict[str, System]:
         "groupshard full + Muon": System(groupshard("full", muon=True), **options),
         "groupshard ZeRO + DDP + Muon": System(groupshard_zero_muon, **options),
     }
+    if _deepspeed_available():
+        rows["DeepSpeed ZeRO-2 + Muon"] = System(deepspeed_stage(2, muon=True), **options)
+    return rows
 
 
 def systems(

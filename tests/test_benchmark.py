@@ -120,13 +120,24 @@ def test_muon_rows_run_and_match_torch_muon(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads(output.read_text())["rows"]
     sys.path.insert(0, str(BENCHMARKS))
-    from run import MODELS, MUON_PARTNERS
+    from run import MODELS, MUON_PARTNERS, _deepspeed_available
 
     muon_elements = sum(p.numel() for p in gs.muon_groups(GPT(MODELS["tiny"][0]))[0]["params"])
-    assert set(rows) == set(MUON_PARTNERS) | set(MUON_PARTNERS.values())
-    for name in MUON_PARTNERS:
+    partners = {
+        name: partner
+        for name, partner in MUON_PARTNERS.items()
+        if _deepspeed_available() or not name.startswith("DeepSpeed")
+    }
+    assert set(rows) == set(partners) | set(partners.values())
+    for name in partners:
         row = rows[name]
         assert row["step_ms"] > 0 and row["optimizer_ms"] > 0, name
+        if name.startswith("DeepSpeed"):
+            # DeepSpeed's own Muon (ZeRO-2 orthogonalizing its partitions) is not torch's
+            # update: on this model it ends about as far from the torch reference as the
+            # reference trained (6.7e-2 of 6.9e-2); the row is there for its speed
+            assert "all_to_alls" not in row["collectives"], name
+            continue
         assert row["max_difference"] <= 0.1 * row["trained_distance"], (name, row)
         if name != "FSDP2 + torch Muon":  # DTensor dispatch sums its norms, matmuls by pieces
             assert row["max_difference_same_order"] == 0, (name, row)
