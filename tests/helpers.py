@@ -102,6 +102,26 @@ def max_difference(first: dict[str, torch.Tensor], second: dict[str, torch.Tenso
     return max((first[k].double() - second[k].double()).abs().max().item() for k in first)
 
 
+def train_side_by_side(
+    sharded: nn.Module,
+    sharded_opt: torch.optim.Optimizer,
+    reference: nn.Module,
+    reference_opt: torch.optim.Optimizer,
+    steps: int,
+    rank: int,
+    world_size: int,
+) -> None:
+    """``steps`` optimizer steps of both: the sharded model on this rank's part of each
+    global batch, the unsharded reference on all of it."""
+    for inputs, targets in global_batches(steps, world_size):
+        local = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
+        sharded(inputs[local], targets[local]).backward()
+        reference(inputs, targets).backward()
+        for opt in (sharded_opt, reference_opt):
+            opt.step()
+            opt.zero_grad()
+
+
 def train_pair(
     rank: int,
     world_size: int,

@@ -16,7 +16,7 @@ from torch import nn
 import groupshard as gs
 from groupshard.model import GPT, Block, GPTConfig
 
-from helpers import BATCH_PER_RANK, TINY, UNITS, EdgeGPT, global_batches, max_difference
+from helpers import TINY, UNITS, EdgeGPT, max_difference, train_side_by_side
 
 TOLERANCE = 1e-5
 
@@ -40,13 +40,7 @@ def meta_case(rank: int, world_size: int, strategy: str) -> tuple[dict, float]:
     reference.load_state_dict(initial)
     optimizer = torch.optim.AdamW(sharded.optimizer_groups(), lr=3e-3)
     reference_opt = torch.optim.AdamW(gs.decay_groups(reference, 0.1), lr=3e-3)
-    for inputs, targets in global_batches(4, world_size):
-        local = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
-        sharded(inputs[local], targets[local]).backward()
-        reference(inputs, targets).backward()
-        for opt in (optimizer, reference_opt):
-            opt.step()
-            opt.zero_grad()
+    train_side_by_side(sharded, optimizer, reference, reference_opt, 4, rank, world_size)
     return initial, max_difference(gs.full_state_dict(sharded), reference.state_dict())
 
 

@@ -24,6 +24,7 @@ from helpers import (
     global_batches,
     max_difference,
     three_groups,
+    train_side_by_side,
 )
 
 TOLERANCE = 1e-5
@@ -114,13 +115,7 @@ def plain_load_case(rank: int, world_size: int) -> float:
     reference = copy.deepcopy(trained)
     optimizer = torch.optim.AdamW(sharded.optimizer_groups(), lr=3e-3)
     reference_opt = torch.optim.AdamW(three_groups(reference, 1e-3), lr=3e-3)
-    for inputs, targets in global_batches(3, world_size):
-        local = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
-        sharded(inputs[local], targets[local]).backward()
-        reference(inputs, targets).backward()
-        for opt in (optimizer, reference_opt):
-            opt.step()
-            opt.zero_grad()
+    train_side_by_side(sharded, optimizer, reference, reference_opt, 3, rank, world_size)
     return max_difference(sharded.state_dict(), reference.state_dict())
 
 

@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import groupshard as gs
 from groupshard.checkpoint import reader
-from test_checkpoint import GLOBAL_BATCH, RESUME_AT, batches, lr_lambda
+from test_checkpoint import RESUME_AT, batches, lr_lambda, train
 
 from helpers import BATCH_PER_RANK, UNITS, EdgeGPT, global_batches, max_difference
 
@@ -343,31 +343,21 @@ def _zero_run(rank, world_size, seed, slice_numel=None, bucket_view=False, **ove
     return model, DDP(model), zero
 
 
-def _train(model, optimizer, steps, rank, world_size, scheduler=None):
-    for inputs, targets in steps:
-        local = slice(rank * GLOBAL_BATCH // world_size, (rank + 1) * GLOBAL_BATCH // world_size)
-        model(inputs[local], targets[local]).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        if scheduler is not None:
-            scheduler.step()
-
-
 def _plain_reference():
     """One process, torch's AdamW, never interrupted (the LR schedule for RESUME_AT steps)."""
     torch.manual_seed(0)
     model = EdgeGPT()
     optimizer = torch.optim.AdamW(two_groups(model), **OPTIMIZERS["adamw"][1])
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
-    _train(model, optimizer, batches()[:RESUME_AT], 0, 1, scheduler)
-    _train(model, optimizer, batches()[RESUME_AT:], 0, 1)
+    train(model, optimizer, batches()[:RESUME_AT], 0, 1, scheduler)
+    train(model, optimizer, batches()[RESUME_AT:], 0, 1)
     return model
 
 
 def zero_save_case(rank, world_size, path):
     _, ddp, zero = _zero_run(rank, world_size, seed=0, slice_numel=40)  # several buckets a group
     scheduler = torch.optim.lr_scheduler.LambdaLR(zero, lr_lambda)
-    _train(ddp, zero, batches()[:RESUME_AT], rank, world_size, scheduler)
+    train(ddp, zero, batches()[:RESUME_AT], rank, world_size, scheduler)
     gs.checkpoint.save(path, ddp, zero, extra={"step": RESUME_AT})
     return [group["lr"] for group in zero.param_groups]
 
@@ -385,12 +375,12 @@ def zero_resume_case(rank, world_size, path, into):
         optimizer = torch.optim.AdamW(trained.optimizer_groups(), lr=1.0)
     extra = gs.checkpoint.load(path, trained, optimizer)
     lrs = [group["lr"] for group in optimizer.param_groups]
-    _train(trained, optimizer, batches()[RESUME_AT:], rank, world_size)
+    train(trained, optimizer, batches()[RESUME_AT:], rank, world_size)
     state = model.state_dict() if into == "zero" else gs.full_state_dict(trained)
     _, ddp, zero = _zero_run(rank, world_size, seed=0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(zero, lr_lambda)
-    _train(ddp, zero, batches()[:RESUME_AT], rank, world_size, scheduler)
-    _train(ddp, zero, batches()[RESUME_AT:], rank, world_size)
+    train(ddp, zero, batches()[:RESUME_AT], rank, world_size, scheduler)
+    train(ddp, zero, batches()[RESUME_AT:], rank, world_size)
     uninterrupted = max_difference(state, ddp.module.state_dict())
     return extra["step"], lrs, uninterrupted, max_difference(state, _plain_reference().state_dict())
 
