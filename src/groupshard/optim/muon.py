@@ -323,6 +323,18 @@ class Ownership:
         return (self.elements_sent + self.elements_received) * NS_DTYPE.itemsize
 
 
+def _add_orthogonalized(
+    target: torch.Tensor, update: torch.Tensor, group: dict[str, Any], rows: int, cols: int
+) -> None:
+    """Subtract the group's adjusted learning rate times the orthogonalized ``update`` (a
+    matrix's elements, row-major) from ``target`` (the same elements of the parameter)."""
+    ortho = zeropower_via_newtonschulz(
+        update.view(rows, cols), group["ns_coefficients"], group["ns_steps"], group["eps"]
+    )
+    lr = adjusted_lr(_scalar(group["lr"]), group["adjust_lr_fn"], rows, cols)
+    target.view(rows, cols).add_(ortho, alpha=-lr)
+
+
 class Muon(torch.optim.Optimizer):
     """torch.optim.Muon's math, exact on groupshard shards and on plain parameters alike,
     with param groups that use AdamW instead (``{"params": ..., "use_muon": False}``).
@@ -530,11 +542,8 @@ class Muon(torch.optim.Optimizer):
             if not slot.numel:
                 continue
             begin = slot.offset - start
-            ortho = zeropower_via_newtonschulz(
-                flat[begin : begin + slot.numel].view(rows, cols), *ns
-            )
-            target = values[begin : begin + slot.numel].view(rows, cols)
-            target.add_(ortho, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], rows, cols))
+            span = slice(begin, begin + slot.numel)
+            _add_orthogonalized(values[span], flat[span], group, rows, cols)
 
     def _exchange_start(
         self, exchange: _Exchange, updates: dict[int, torch.Tensor]
@@ -606,15 +615,11 @@ class Muon(torch.optim.Optimizer):
             flat = flats[matrix.param]
             if flat is None:
                 continue
-            group = self.param_groups[matrix.group]
             span = slice(matrix.local_start, matrix.local_start + matrix.rows * matrix.cols)
-            ortho = zeropower_via_newtonschulz(
-                flat.view(-1)[span].view(matrix.rows, matrix.cols),
-                group["ns_coefficients"], group["ns_steps"], group["eps"],
+            _add_orthogonalized(
+                exchange.params[matrix.param].view(-1)[span], flat.view(-1)[span],
+                self.param_groups[matrix.group], matrix.rows, matrix.cols,
             )  # fmt: skip
-            lr = adjusted_lr(_scalar(group["lr"]), group["adjust_lr_fn"], matrix.rows, matrix.cols)
-            target = exchange.params[matrix.param].view(-1)[span]
-            target.view(matrix.rows, matrix.cols).add_(ortho, alpha=-lr)
         back.wait()
         by_alpha: dict[float, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         offset = 0
