@@ -118,18 +118,26 @@ SYSTEMS = ("groupshard", "FSDP2", "DeepSpeed", "DDP")
 # --- memory -----------------------------------------------------------------------------
 
 
-def _status(field: str) -> int:
-    match = re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text())
-    assert match is not None, field
-    return int(match.group(1)) * 1024
+def _status(*fields: str) -> list[int]:
+    """Fields of /proc/self/status in bytes, from one read (one moment)."""
+    text = Path("/proc/self/status").read_text()
+    values = []
+    for field in fields:
+        match = re.search(rf"{field}:\s+(\d+) kB", text)
+        assert match is not None, field
+        values.append(int(match.group(1)) * 1024)
+    return values
 
 
 def rss() -> int:
-    return _status("VmRSS")
+    return _status("VmRSS")[0]
 
 
-def peak_rss() -> int:
-    return _status("VmHWM")
+def peak_and_held() -> tuple[int, int]:
+    """The peak RSS since the last reset and the RSS now, read together: Linux updates
+    VmHWM lazily, so it can trail VmRSS by a few pages; the peak is at least the RSS."""
+    peak, held = _status("VmHWM", "VmRSS")
+    return max(peak, held), held
 
 
 def reset_peak() -> bool:
@@ -376,14 +384,14 @@ def _worker(rank: int, args: argparse.Namespace, system: str, store: str, result
     model, optimizer = build(config)
     dist.barrier()
     built = time.perf_counter()
-    row["construct_peak"] = peak_rss()
-    row["held_after_construct"] = rss()
+    row["construct_peak"], row["held_after_construct"] = peak_and_held()
     reset_peak()
     loss, activations = step(model, optimizer, data)
     dist.barrier()
     done = time.perf_counter()
+    row["step_peak"], row["held_after_step"] = peak_and_held()
     row.update(
-        step_peak=peak_rss(), held_after_step=rss(), loss=loss, activation_bytes=activations,
+        loss=loss, activation_bytes=activations,
         construct_s=built - start, step_s=done - built, time_to_first_step_s=done - start,
     )  # fmt: skip
     _trim()  # what stays after giving the allocator's free memory back: live tensors
