@@ -239,6 +239,7 @@ def test_wrapped_optimizer_skips_too(run_ranks):
 
 OPTIONS = {
     "reduce_bucket_bytes": (25 * 2**20, 0),
+    "first_bucket_bytes": (2**20, 0),
     "prefetch_bytes": (25 * 2**20, 4096),
     "sync_module_states": (True, False),
 }

@@ -25,7 +25,7 @@ from groupshard.materialize import (
     release_free_memory,
 )
 from groupshard.precision import MixedPrecision, PrecisionSpec, unit_policy
-from groupshard.runtime import STRATEGIES, ShardedRuntime, UnitRuntime
+from groupshard.runtime import FIRST_BUCKET_BYTES, STRATEGIES, ShardedRuntime, UnitRuntime
 from groupshard.units import UnitPlan, UnitSpec, plan_units
 
 
@@ -411,6 +411,7 @@ def shard(
     default_group: Mapping[str, Any] | None = None,
     sync_module_states: bool = True,
     reduce_bucket_bytes: int = 25 * 2**20,
+    first_bucket_bytes: int = FIRST_BUCKET_BYTES,
     prefetch_bytes: int = 25 * 2**20,
     mixed_precision: PrecisionSpec = None,
     overlap: bool = True,
@@ -432,6 +433,12 @@ def shard(
         sync_module_states: broadcast rank 0's parameters first, as DDP does.
         reduce_bucket_bytes: unit gradients wait until this many bytes are ready, then
             go in one reduce-scatter (as DDP's buckets); 0 reduces each unit at once.
+            A bucket is also sent early when the gradient that came next in the last
+            backward would overfill it, so the last gradients of backward, whose
+            reduction nothing can hide, are not held back with earlier ones.
+        first_bucket_bytes: the limit of each backward's first bucket (at most
+            ``reduce_bucket_bytes``; 1 MiB, as DDP's first bucket): the first gradients'
+            reduction starts early, while the rest of backward runs.
         prefetch_bytes: "full" gathers a unit together with the units that run next
             (in forward, and in reverse in backward) while they fit in this many bytes,
             in one all-gather; 0 gathers each unit on its own.
@@ -461,10 +468,10 @@ def shard(
             raise ValueError(f"Expects strategy in {STRATEGIES} but got {strategy=}")
         if not isinstance(overlap, bool):
             raise TypeError(f"Expects overlap to be a bool but got {overlap!r}")
-        if reduce_bucket_bytes < 0 or prefetch_bytes < 0:
+        if min(reduce_bucket_bytes, first_bucket_bytes, prefetch_bytes) < 0:
             raise ValueError(
-                f"Expects reduce_bucket_bytes, prefetch_bytes >= 0 but got "
-                f"{reduce_bucket_bytes=}, {prefetch_bytes=}"
+                f"Expects reduce_bucket_bytes, first_bucket_bytes, prefetch_bytes >= 0 but "
+                f"got {reduce_bucket_bytes=}, {first_bucket_bytes=}, {prefetch_bytes=}"
             )
         if isinstance(model, ShardedModule):
             raise ValueError("This model is already sharded by groupshard.")
@@ -490,6 +497,7 @@ def shard(
     runtime_options = {
         "strategy": strategy,
         "reduce_bucket_bytes": reduce_bucket_bytes,
+        "first_bucket_bytes": first_bucket_bytes,
         "prefetch_bytes": prefetch_bytes,
         "overlap": overlap,
     }

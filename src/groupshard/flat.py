@@ -383,24 +383,34 @@ class FlatStorage:
             trainable, frozen = unsharded.split(
                 [self.layout.trainable_unsharded_numel, self.layout.frozen_unsharded_numel]
             )
-        for source, buffers in (
-            (trainable, self.layout.trainable_buffers),
-            (frozen, self.layout.frozen_buffers),
-        ):
-            if not buffers:
+        for source, (sizes, slots) in zip((trainable, frozen), self._view_plans, strict=True):
+            if not sizes:
                 continue
-            sizes = [size for b in buffers for size in b.split_sizes]
-            chunks = torch.split(source, sizes)
-            position = 0
-            for buffer in buffers:
-                for slot in buffer.params:
-                    views[slot.fqn] = chunks[position].view(slot.shape)
-                    position += 1
-                position += 1  # padding
+            chunks = source.split_with_sizes(sizes)
+            for position, fqn, shape in slots:
+                chunk = chunks[position]
+                # a view op costs as much as the split: make one only where the shape differs
+                views[fqn] = chunk if len(shape) == 1 else chunk.view(shape)
             if track_use and source is self.unsharded_trainable and chunks[0].grad_fn is not None:
                 # one hook per storage and forward, one call per backward
                 chunks[0].grad_fn.register_prehook(self._note_used)
         return views
+
+    @cached_property
+    def _view_plans(self) -> tuple[tuple[list[int], list[tuple[int, str, torch.Size]]], ...]:
+        """Per source (trainable, frozen): the sizes that split it into parameters and
+        paddings, and each parameter's (index among the pieces, FQN, shape)."""
+        plans = []
+        for buffers in (self.layout.trainable_buffers, self.layout.frozen_buffers):
+            sizes = [size for b in buffers for size in b.split_sizes]
+            slots, position = [], 0
+            for buffer in buffers:
+                for slot in buffer.params:
+                    slots.append((position, slot.fqn, torch.Size(slot.shape)))
+                    position += 1
+                position += 1  # padding
+            plans.append((sizes, slots))
+        return tuple(plans)
 
     @cached_property
     def _param_outputs(self) -> list[int]:

@@ -20,9 +20,10 @@ not even the used flags; the next synced backward reduces the sum once. An optim
 step while sums wait raises instead of stepping without them.
 
 Overlap (``overlap=True``): collectives are started asynchronously and waited for as
-late as possible. ``full`` gathers units in windows (a unit and the units that run next,
-up to ``prefetch_bytes``); the next window's all-gather starts before the last unit of
-the current one computes, in forward and in backward order. A full gradient bucket's
+late as possible. ``full`` and ``grad_op`` gather units in windows (a unit and the units
+that run next, up to ``prefetch_bytes``); the next window's all-gather starts before the
+last unit of the current one computes, in forward order (and for ``full`` in backward
+order; ``grad_op`` keeps its units gathered for backward). A full gradient bucket's
 reduce-scatter starts at once and is waited for when more than
 ``REDUCES_IN_FLIGHT`` are running, or at the end of backward. The collectives are the
 same ones, in the same order on every rank, as without overlap, so results are equal.
@@ -59,6 +60,9 @@ from groupshard.flat import (
 from groupshard.precision import MixedPrecision
 
 STRATEGIES = ("full", "grad_op", "no_shard")
+FIRST_BUCKET_BYTES = 2**20
+"""The default limit of a backward's first gradient bucket: DDP's
+(``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``)."""
 REDUCES_IN_FLIGHT = 2
 """Gradient buckets reducing at once: unsharded gradient bytes in flight stay below
 ``REDUCES_IN_FLIGHT`` x (``reduce_bucket_bytes`` + the largest unit's gradient)."""
@@ -140,12 +144,17 @@ class ShardedRuntime:
         reduce_bucket_bytes: int = 0,
         prefetch_bytes: int = 0,
         overlap: bool = True,
+        first_bucket_bytes: int | None = None,
     ) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"Expects strategy in {STRATEGIES} but got {strategy=}")
         self.units = list(units)  # pre-order; units[0] is the root
         self.strategy = strategy
         self.reduce_bucket_bytes = reduce_bucket_bytes
+        self.first_bucket_bytes = min(
+            reduce_bucket_bytes,
+            reduce_bucket_bytes if first_bucket_bytes is None else first_bucket_bytes,
+        )
         self.prefetch_bytes = prefetch_bytes
         self.overlap = overlap
         self._gathering: dict[UnitRuntime, list[comm.Pending]] = {}  # started, not waited
@@ -160,6 +169,10 @@ class ShardedRuntime:
         self._handles: list[Any] = []
         # gradients waiting for one collective, per dtype: [(storage, unsharded grad)]
         self._pending: dict[torch.dtype, list[tuple[FlatStorage, torch.Tensor]]] = {}
+        self._flushed: set[torch.dtype] = set()  # dtypes whose first bucket of this backward left
+        self._arrivals: list[tuple[FlatStorage, torch.dtype, int]] = []  # (storage, dtype, bytes)
+        # bytes of the gradient of the same dtype that came after a storage's, last backward
+        self._next_bytes: dict[FlatStorage, int] = {}
         self.peak_gathered_bytes = 0  # most unsharded parameter bytes held at once
         self.requires_gradient_sync = True
         self.in_no_sync = False
@@ -211,7 +224,7 @@ class ShardedRuntime:
         self._wait_for_gather(unit)
         if unit.needs_gather:
             self.unshard_together(self._with_followers(unit, order))
-        if not (self.overlap and self.strategy == "full" and unit in order):
+        if not (self.overlap and self.strategy != "no_shard" and unit in order):
             return
         position = order.index(unit) + 1
         if position == len(order):
@@ -241,10 +254,6 @@ class ShardedRuntime:
             self._forward_order = self._recording
         self._recording = []
         self.wait_for_gathers()
-        if self.strategy == "grad_op" and torch.is_grad_enabled():
-            # Every unit stays gathered from its forward to the end of backward, so
-            # gathering all at once costs no extra memory and one collective per dtype.
-            self.unshard_together(self.units)
 
     def _with_followers(self, unit: UnitRuntime, order: Sequence[UnitRuntime]) -> list[UnitRuntime]:
         """``unit`` and the units after it in ``order`` that fit in ``prefetch_bytes``.
@@ -252,7 +261,7 @@ class ShardedRuntime:
         Gathering them together saves a collective's latency per unit (one for all).
         """
         chosen = [unit]
-        if self.strategy != "full" or unit not in order:
+        if self.strategy == "no_shard" or unit not in order:
             return chosen
         budget = self.prefetch_bytes - unit.unsharded_bytes
         for follower in order[order.index(unit) + 1 :]:
@@ -298,7 +307,9 @@ class ShardedRuntime:
             if torch.is_grad_enabled():
                 tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
                 tensors = [t for t in tensors if t.requires_grad]
-                if tensors:
+                if len(tensors) == 1:  # the same once-per-backward call, without the lock
+                    tensors[0].register_hook(self._pre_backward_hook(unit))
+                elif tensors:
                     torch.autograd.graph.register_multi_grad_hook(
                         tensors, self._pre_backward_hook(unit), mode="any"
                     )
@@ -339,11 +350,31 @@ class ShardedRuntime:
         return hook
 
     def _add_pending(self, storage: FlatStorage, grad: torch.Tensor) -> None:
+        """Add a gradient to its bucket; flush the bucket when it is full, or when the
+        gradient that came next in the last backward would overfill it (so the gradients
+        that arrive last, whose reduction nothing hides, go in a bucket of their own).
+        The first bucket of a backward is at most ``first_bucket_bytes`` (DDP's first
+        bucket): its reduction starts while most of the backward is still to run."""
+        size = grad.numel() * grad.element_size()
+        self._arrivals.append((storage, grad.dtype, size))
         pending = self._pending.setdefault(grad.dtype, [])
         pending.append((storage, grad))
         waiting = sum(g.numel() * g.element_size() for _, g in pending)
-        if waiting >= self.reduce_bucket_bytes:
+        limit = self.reduce_bucket_bytes if grad.dtype in self._flushed else self.first_bucket_bytes
+        following = self._next_bytes.get(storage)
+        if waiting >= limit or (following is not None and waiting + following > limit):
             self._flush(grad.dtype)
+
+    def _record_arrivals(self) -> None:
+        """Remember, per storage, the size of the next gradient of its dtype."""
+        self._next_bytes = {}
+        last: dict[torch.dtype, FlatStorage] = {}
+        for storage, dtype, size in self._arrivals:
+            if dtype in last:
+                self._next_bytes[last[dtype]] = size
+            last[dtype] = storage
+        self._arrivals = []
+        self._flushed = set()
 
     def _flush(self, dtype: torch.dtype) -> None:
         """One collective for every gradient waiting in the bucket of ``dtype`` (started,
@@ -351,6 +382,7 @@ class ShardedRuntime:
         pending = self._pending.pop(dtype, [])
         if not pending:
             return
+        self._flushed.add(dtype)
         grads = [grad for _, grad in pending]
         started = reduce_gradients([storage for storage, _ in pending], grads, self.overlap)
         self._reducing.append((started, sum(g.numel() * g.element_size() for g in grads)))
@@ -382,6 +414,7 @@ class ShardedRuntime:
                 self._add_pending(storage, accumulated)
         for dtype in list(self._pending):
             self._flush(dtype)
+        self._record_arrivals()
         combining = self._combine_used()
         self._wait_for_reduces()
         _accumulating.discard(self)
