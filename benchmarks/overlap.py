@@ -34,11 +34,13 @@ CPU). Per step:
 
 On this CPU the two ranks share 2 cores, so gloo's communication threads compete with
 the ranks' compute: time hidden from the training thread can still cost compute time.
-``non-comm ms`` (step - exposed) shows that. After the run, every row's parameters are
-compared with DDP's (groupshard within 1e-5, FSDP2 within 1e-4; DeepSpeed's difference
-is only reported: 1.4e-2 on the 30m model, as in ``benchmarks/run.py``), and each
-groupshard row with overlap on against the same strategy with overlap off (bit-for-bit
-equal); the script exits with 1 if one of these checks fails.
+``non-comm ms`` (step - exposed) shows that, and ``cpu ms``, the CPU time of a rank's
+process per step (all its threads, compute and gloo's), shows what no overlap can hide
+there: with 2 ranks on 2 cores a step takes at least about its CPU time. After the run,
+every row's parameters are compared with DDP's (groupshard within 1e-5, FSDP2 within
+1e-4; DeepSpeed's difference is only reported: 1.4e-2 on the 30m model, as in
+``benchmarks/run.py``), and each groupshard row with overlap on against the same
+strategy with overlap off (bit-for-bit equal); the script exits with 1 if one of these checks fails.
 
 Output: a table with the ratios (each row / DDP, ``full`` / FSDP2, ``grad_op`` /
 DeepSpeed ZeRO-2), the hidden fraction per strategy, issue 13's targets for the model
@@ -338,6 +340,7 @@ def systems(
 def _step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> Any:
     """One training step with timestamps: (seconds, marks in ms, collective events)."""
     TIMELINE.start()
+    cpu_started = time.process_time()
     started = time.perf_counter()
     loss = model(tokens[:, :-1], tokens[:, 1:])
     forward = time.perf_counter()
@@ -345,9 +348,10 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tens
     backward = time.perf_counter()
     bench._optimizer_step(model, optimizer)  # and its own step (and zeroing)
     ended = time.perf_counter()
+    cpu_ms = (time.process_time() - cpu_started) * 1e3  # every thread of this rank's process
     events = TIMELINE.stop()
     marks = {"forward_end": TIMELINE.ms(forward), "backward_end": TIMELINE.ms(backward),
-             "step_end": TIMELINE.ms(ended)}  # fmt: skip
+             "step_end": TIMELINE.ms(ended), "cpu_ms": cpu_ms}  # fmt: skip
     return ended - started, marks, events
 
 
@@ -435,6 +439,9 @@ def report(args: argparse.Namespace, per_rank: list[dict[str, Any]]) -> dict[str
         row["forward_ms"] = _median([m["forward_end"] for m in marks])
         row["backward_ms"] = _median([m["backward_end"] - m["forward_end"] for m in marks])
         row["optimizer_ms"] = _median([m["step_end"] - m["backward_end"] for m in marks])
+        row["cpu_ms"] = statistics.mean(
+            _median([m["cpu_ms"] for m in r[name]["marks_rounds"]]) for r in per_rank
+        )
         if "max_difference_vs_overlap_off" in mine:
             row["max_difference_vs_overlap_off"] = mine["max_difference_vs_overlap_off"]
         if name.startswith("groupshard"):
@@ -565,10 +572,10 @@ def _fmt(value: float | None, spec: str) -> str:
 def print_report(result: dict[str, Any]) -> None:
     print(f"model {result['model']}, world size 2, gloo, 1 thread/rank, {result['rounds']} rounds "
           f"after {result['warmup']} warm-up; {result['machine']}")  # fmt: skip
-    columns = ("step ms", "fwd", "bwd", "opt", "/DDP", "paired", "/FSDP2", "paired",
+    columns = ("step ms", "cpu ms", "fwd", "bwd", "opt", "/DDP", "paired", "/FSDP2", "paired",
                "/ZeRO-2", "exposed ms", "late ms", "finish ms", "non-comm ms", "async",
                "span ms", "diff DDP", "diff on-off")  # fmt: skip
-    widths = (8, 6, 6, 5, 6, 7, 7, 7, 8, 11, 8, 10, 12, 6, 8, 9, 12)
+    widths = (8, 7, 6, 6, 5, 6, 7, 7, 7, 8, 11, 8, 10, 12, 6, 8, 9, 12)
     width = max(len(name) for name in result["rows"])
     print(
         f"{'system':{width}s} "
@@ -579,6 +586,7 @@ def print_report(result: dict[str, Any]) -> None:
         zero2 = name == DEEPSPEED or "grad_op" in name
         cells = [
             _fmt(row["step_ms"], "8.1f"),
+            _fmt(row.get("cpu_ms"), "7.1f"),
             _fmt(row.get("forward_ms"), "6.1f"),
             _fmt(row.get("backward_ms"), "6.1f"),
             _fmt(row.get("optimizer_ms"), "5.1f"),
@@ -612,7 +620,10 @@ def print_report(result: dict[str, Any]) -> None:
     print(f"\n{result['hidden_fraction_definition']}.\nlate: of the exposed time, what was "
           "spent before the other rank had started the same collective (same monotonic clock "
           "on both ranks), mean of the 2 ranks.\n/DDP, /FSDP2: ratio of median step times; "
-          "paired: median over rounds of the round's ratio. fwd / bwd / opt: median ms of "
+          "paired: median over rounds of the round's ratio. cpu ms: CPU time per step of a "
+          "rank's process, all its threads (compute and gloo's), median, mean of the 2 ranks: "
+          "with 2 ranks on 2 cores a step cannot take much less wall time than its CPU "
+          "time. fwd / bwd / opt: median ms of "
           "forward, backward (with the wait for reductions at its end) and optimizer step + "
           "zero_grad, rank 0. exposed / late / finish / "
           "non-comm (= step - exposed, rank 0) / async (count) / span (sum of async "
