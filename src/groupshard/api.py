@@ -439,9 +439,10 @@ def shard(
         first_bucket_bytes: the limit of each backward's first bucket (at most
             ``reduce_bucket_bytes``; 1 MiB, as DDP's first bucket): the first gradients'
             reduction starts early, while the rest of backward runs.
-        prefetch_bytes: "full" gathers a unit together with the units that run next
-            (in forward, and in reverse in backward) while they fit in this many bytes,
-            in one all-gather; 0 gathers each unit on its own.
+        prefetch_bytes: "full" and "grad_op" gather a unit together with the units that
+            run next (in forward, and for "full" in reverse in backward) while they fit
+            in this many bytes, in one all-gather, started while the window before runs;
+            0 gathers each unit on its own.
         mixed_precision: a ``gs.MixedPrecision`` for every unit, or a function
             ``(unit_name, unit_module) -> gs.MixedPrecision | None`` for one per unit
             (e.g. keep norm layers in float32). The shards stay in the parameters' dtype
