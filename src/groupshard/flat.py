@@ -415,11 +415,8 @@ class FlatStorage:
     @cached_property
     def _param_outputs(self) -> list[int]:
         """Index of each trainable parameter's piece among the split's outputs."""
-        indices, position = [], 0
-        for buffer in self.layout.trainable_buffers:
-            indices.extend(range(position, position + len(buffer.params)))
-            position += len(buffer.params) + 1
-        return indices
+        _, trainable_slots = self._view_plans[0]
+        return [position for position, _, _ in trainable_slots]
 
     def _note_used(self, grads: Sequence[torch.Tensor | None]) -> None:
         used = self.used_in_backward

@@ -151,10 +151,9 @@ class ShardedRuntime:
         self.units = list(units)  # pre-order; units[0] is the root
         self.strategy = strategy
         self.reduce_bucket_bytes = reduce_bucket_bytes
-        self.first_bucket_bytes = min(
-            reduce_bucket_bytes,
-            reduce_bucket_bytes if first_bucket_bytes is None else first_bucket_bytes,
-        )
+        if first_bucket_bytes is None:
+            first_bucket_bytes = reduce_bucket_bytes
+        self.first_bucket_bytes = min(first_bucket_bytes, reduce_bucket_bytes)
         self.prefetch_bytes = prefetch_bytes
         self.overlap = overlap
         self._gathering: dict[UnitRuntime, list[comm.Pending]] = {}  # started, not waited
@@ -307,9 +306,7 @@ class ShardedRuntime:
             if torch.is_grad_enabled():
                 tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
                 tensors = [t for t in tensors if t.requires_grad]
-                if len(tensors) == 1:  # the same once-per-backward call, without the lock
-                    tensors[0].register_hook(self._pre_backward_hook(unit))
-                elif tensors:
+                if tensors:
                     torch.autograd.graph.register_multi_grad_hook(
                         tensors, self._pre_backward_hook(unit), mode="any"
                     )
