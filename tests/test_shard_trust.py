@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 import groupshard as gs
+from groupshard.model import GPT, Block, GPTConfig
 
-from helpers import UNITS, EdgeGPT, max_difference, three_groups
+from helpers import BATCH_PER_RANK, UNITS, EdgeGPT, global_batches, max_difference, three_groups
 
 TOLERANCE = 1e-5
 
@@ -367,3 +368,56 @@ def test_a_step_that_raises_leaves_no_hold_behind():
     after = gs.full_state_dict(model)
     for name in ("blocks.0.branch.weight", "blocks.1.branch.weight", "head.weight"):
         assert not torch.equal(before[name], after[name]), name
+
+
+class OrderOnRank(GPT):
+    """Runs its blocks in reverse on the ranks in ``reversed_on``, from step ``after`` on
+    (identical block shapes, so every gather and reduction still matches in size)."""
+
+    def __init__(self, reversed_on: tuple[int, ...], after: int) -> None:
+        super().__init__(TINY_FOUR_BLOCKS)
+        self.reversed_on, self.after, self.calls = reversed_on, after, 0
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        self.calls += 1
+        flip = torch.distributed.get_rank() in self.reversed_on and self.calls > self.after
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(positions)
+        for block in reversed(self.blocks) if flip else self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+TINY_FOUR_BLOCKS = GPTConfig(vocab_size=32, block_size=8, n_layer=4, n_head=2, n_embd=16)
+
+
+def order_case(rank: int, world_size: int, strategy: str, after: int) -> dict[str, Any]:
+    """Train 3 steps; from step ``after`` on, rank 1 runs the blocks in reverse."""
+    torch.manual_seed(0)
+    sharded = gs.shard(OrderOnRank((1,), after), None, unit=Block, strategy=strategy)
+    optimizer = torch.optim.SGD(sharded.optimizer_groups(), lr=0.1)
+    for step, (inputs, targets) in enumerate(global_batches(3, world_size)):
+        local = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
+        try:
+            sharded(inputs[local], targets[local]).backward()
+        except RuntimeError as error:
+            return {"step": step, "error": str(error)}
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"step": None, "error": None}
+
+
+@pytest.mark.parametrize(
+    "strategy, after", [("full", 0), ("grad_op", 0), ("no_shard", 0), ("no_shard", 1)]
+)
+def test_units_run_in_another_order_on_one_rank_fail_on_every_rank(run_ranks, strategy, after):
+    """Gathers and gradient buckets follow each rank's order of units; a rank running them
+    in another order exchanges other parameters' data in collectives of matching sizes
+    (here every block has the same shape). The end of backward, before any optimizer
+    step, raises on every rank. (Once an order is recorded, ``full`` and ``grad_op``
+    gather windows of it ahead, so a rank leaving it issues a gather of another size:
+    gloo then aborts that rank with its "collective mismatch" error, not tested here.)"""
+    for result in run_ranks(2, order_case, strategy, after, timeout=120):
+        assert result["step"] == after, result
+        assert "differs between ranks" in result["error"], result

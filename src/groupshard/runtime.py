@@ -34,6 +34,7 @@ hook) or a groupshard load counts as a write (``flat.note_parameters_written``).
 
 from __future__ import annotations
 
+import hashlib
 import weakref
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -411,8 +412,9 @@ class ShardedRuntime:
                 self._add_pending(storage, accumulated)
         for dtype in list(self._pending):
             self._flush(dtype)
+        orders = self._orders_that_match_collectives()
         self._record_arrivals()
-        combining = self._combine_used()
+        combining = self._combine_used(orders)
         self._wait_for_reduces()
         _accumulating.discard(self)
         if combining is not None:
@@ -430,15 +432,41 @@ class ShardedRuntime:
     def shard_ids(self) -> frozenset[int]:
         return frozenset(id(shard) for storage in self.storages for shard in storage.shards)
 
-    def _combine_used(self) -> comm.Pending | None:
+    @cached_property
+    def _storage_names(self) -> dict[FlatStorage, str]:
+        """Each storage as its unit's name and its place among the unit's storages."""
+        return {
+            storage: f"{unit.name or '<root>'}#{index}"
+            for unit in self.units
+            for index, storage in enumerate(unit.storages)
+        }
+
+    def _orders_that_match_collectives(self) -> dict[str, list[str]]:
+        """The orders this step's collectives followed on this rank, by what they are: the
+        units' forward order (gathers, ``full`` and ``grad_op``), backward order (gathers,
+        ``full``) and the order gradients arrived in (buckets, every strategy)."""
+        names = self._storage_names
+        orders = {"order gradients arrived in": [names[s] for s, _, _ in self._arrivals]}
+        if self.strategy != "no_shard":
+            orders["forward order of units"] = [u.name or "<root>" for u in self._recording]
+        if self.strategy == "full":
+            orders["backward order of units"] = [u.name or "<root>" for u in self._backward_order]
+        return orders
+
+    def _combine_used(self, orders: dict[str, list[str]]) -> comm.Pending | None:
         """Which parameters had a gradient in this backward on any rank: one all-reduce,
-        started behind the last gradient reductions (with overlap) and applied at its wait."""
+        started behind the last gradient reductions (with overlap) and applied at its wait.
+        The same all-reduce checks that every rank's collectives followed the same
+        ``orders``: a rank whose units ran in another order would have gathered or reduced
+        other parameters' data in matching collectives, silently."""
         storages = [s for s in self.storages if s.layout.trainable_buffers]
         if not storages:
             return None
         flags = [storage.take_used() for storage in storages]
+        agreement = [_agreement_bytes(order) for order in orders.values()]
         combined = torch.tensor(
-            [f for per_storage in flags for f in per_storage],
+            [f for per_storage in flags for f in per_storage]
+            + [b for per_order in agreement for b in per_order],
             dtype=torch.uint8,
             device=storages[0].local.device,
         )
@@ -449,8 +477,36 @@ class ShardedRuntime:
             for storage, per_storage in zip(storages, flags, strict=True):
                 storage.add_used(values[offset : offset + len(per_storage)].bool().tolist())
                 offset += len(per_storage)
+            for (kind, order), per_order in zip(orders.items(), agreement, strict=True):
+                reduced = values[offset : offset + len(per_order)].tolist()
+                offset += len(per_order)
+                if not _agreed(reduced):
+                    raise RuntimeError(
+                        f"The {kind} differs between ranks (this rank: {_shortened(order)}): "
+                        "groupshard's collectives follow it, so the ranks exchanged other "
+                        "parameters' data. Run the same units in the same order on every "
+                        "rank (keep rank-dependent branches inside a unit)."
+                    )
 
         return comm.all_reduce_max(combined, storages[0].ranks, self.overlap, apply)
+
+
+def _agreement_bytes(order: Sequence[str]) -> list[int]:
+    """8 bytes of a hash of ``order`` and their complements (255 - byte): after an
+    all-reduce of maxima, every byte plus its complement is 255 exactly when every rank
+    had the same hash (max(b) + max(255 - b) = 255 + max(b) - min(b))."""
+    digest = hashlib.blake2b("\0".join(order).encode(), digest_size=8).digest()
+    return [*digest, *(255 - b for b in digest)]
+
+
+def _agreed(reduced: Sequence[int]) -> bool:
+    half = len(reduced) // 2
+    return all(a + b == 255 for a, b in zip(reduced[:half], reduced[half:], strict=True))
+
+
+def _shortened(order: Sequence[str], shown: int = 6) -> str:
+    names = ", ".join(order[:shown])
+    return f"[{names}{', ...' if len(order) > shown else ''}]"
 
 
 # Runtimes whose storages hold gradient sums of backwards without sync.
