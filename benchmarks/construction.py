@@ -92,8 +92,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import groupshard as gs
+from groupshard.cli.model import GPT, Block, GPTConfig
 from groupshard.materialize import module_seed
-from groupshard.model import GPT, Block, GPTConfig
 
 GB = 1e9
 LR = 1e-3

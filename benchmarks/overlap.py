@@ -74,7 +74,7 @@ import run as bench  # benchmarks/run.py: models, systems, batches, init
 
 import groupshard as gs
 from groupshard import comm
-from groupshard.model import GPT, Block
+from groupshard.cli.model import GPT, Block
 
 STRATEGIES = ("full", "grad_op", "no_shard")
 COMM_FUNCTIONS = (

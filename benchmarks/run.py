@@ -92,7 +92,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import groupshard as gs
-from groupshard.model import GPT, Block, GPTConfig
+from groupshard.cli.model import GPT, Block, GPTConfig
 
 MODELS = {
     "4m": (GPTConfig(vocab_size=4096, block_size=128, n_layer=4, n_head=8, n_embd=256), 8),

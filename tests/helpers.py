@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import groupshard as gs
-from groupshard.model import GPT, Block, GPTConfig
+from groupshard.cli.model import GPT, Block, GPTConfig
 
 TINY = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
 BATCH_PER_RANK = 2

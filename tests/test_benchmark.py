@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import groupshard as gs
-from groupshard.model import GPT
+from groupshard.cli.model import GPT
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 MICRO = 2  # micro-batches per optimizer step in the accumulation rows (the benchmark's 4 is slower)

@@ -11,7 +11,7 @@ import torch
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 import groupshard as gs
-from groupshard.model import Block
+from groupshard.cli.model import Block
 
 from helpers import UNITS, EdgeGPT, max_difference, three_groups
 

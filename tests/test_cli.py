@@ -400,8 +400,8 @@ def test_resume_with_more_steps_continues_the_lr_schedule_then_holds_its_last_lr
 
 def test_summary_has_baselines_groups_and_a_sample_from_the_validation_text(uninterrupted):
     from groupshard.cli import data as corpus
+    from groupshard.cli.model import GPT
     from groupshard.cli.train import PRESETS
-    from groupshard.model import GPT
 
     with open(os.path.join(uninterrupted, "summary.json")) as handle:
         summary = json.load(handle)
@@ -430,8 +430,8 @@ def test_summary_has_baselines_groups_and_a_sample_from_the_validation_text(unin
 
 def test_bf16_with_grad_accum_trains_records_both_and_resumes_only_alike(tmp_path):
     from groupshard.cli import data as corpus
+    from groupshard.cli.model import GPT
     from groupshard.cli.train import PRESETS
-    from groupshard.model import GPT
 
     out = str(tmp_path / "run")
     options = ["--precision", "bf16", "--grad-accum", "2", "--init", "full"]  # eager: as below

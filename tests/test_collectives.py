@@ -10,7 +10,7 @@ import torch
 
 import groupshard as gs
 from groupshard import comm, runtime
-from groupshard.model import GPT, Block, GPTConfig
+from groupshard.cli.model import GPT, Block, GPTConfig
 
 from helpers import BATCH_PER_RANK, UNITS, EdgeGPT, global_batches
 

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import groupshard as gs
+from groupshard.cli.model import Block
 from groupshard.groups import resolve_groups
-from groupshard.model import Block
 from groupshard.units import plan_units
 
 from helpers import EdgeGPT

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import groupshard as gs
-from groupshard.model import GPT, Block, GPTConfig
+from groupshard.cli.model import GPT, Block, GPTConfig
 
 from helpers import TINY, UNITS, EdgeGPT, max_difference, train_side_by_side
 

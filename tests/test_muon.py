@@ -13,8 +13,8 @@ from torch import nn
 
 import groupshard as gs
 from groupshard import comm, flatstate
+from groupshard.cli.model import GPT, Block, GPTConfig
 from groupshard.flat import segments_of
-from groupshard.model import GPT, Block, GPTConfig
 from groupshard.optim.muon import assign_owners, newton_schulz_cost
 
 pytestmark = pytest.mark.skipif(

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import groupshard as gs
 from groupshard import comm, runtime
-from groupshard.model import Block
+from groupshard.cli.model import Block
 
 from helpers import (
     BATCH_PER_RANK,

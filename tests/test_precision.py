@@ -16,7 +16,7 @@ from torch import nn
 
 import groupshard as gs
 from groupshard import comm
-from groupshard.model import GPT
+from groupshard.cli.model import GPT
 
 from helpers import (
     BATCH_PER_RANK,

@@ -9,7 +9,7 @@ import torch
 
 from groupshard.cli import data as corpus
 from groupshard.cli import report
-from groupshard.model import GPT, GPTConfig
+from groupshard.cli.model import GPT, GPTConfig
 
 
 def test_bigram_loss_is_the_smoothed_pair_counts_cross_entropy():

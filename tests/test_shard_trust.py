@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import groupshard as gs
-from groupshard.model import GPT, Block, GPTConfig
+from groupshard.cli.model import GPT, Block, GPTConfig
 
 from helpers import BATCH_PER_RANK, UNITS, EdgeGPT, global_batches, max_difference, three_groups
 

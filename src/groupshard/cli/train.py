@@ -25,7 +25,7 @@ import groupshard as gs
 from groupshard import comm
 from groupshard.cli import data as corpus
 from groupshard.cli import report
-from groupshard.model import GPT, Block, GPTConfig
+from groupshard.cli.model import GPT, Block, GPTConfig
 
 PRESETS = {
     "tiny": GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64),
