@@ -61,8 +61,8 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
-from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -70,11 +70,12 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import run as bench  # benchmarks/run.py: models, systems, batches, init
+import run as bench  # benchmarks/run.py: models, batches, init, spawning the ranks
+from optimizers import adamw, decay_groups
+from systems import DDP, FSDP2, DeepSpeed, Groupshard, System, deepspeed_available
 
-import groupshard as gs
 from groupshard import comm
-from groupshard.cli.model import GPT, Block
+from groupshard.cli.model import GPT
 
 STRATEGIES = ("full", "grad_op", "no_shard")
 COMM_FUNCTIONS = (
@@ -273,37 +274,9 @@ def summarize(step: dict[str, Any], partner: dict[str, Any]) -> dict[str, Any]:
 # --- the systems ----------------------------------------------------------------------------
 
 
-def _groupshard(
-    strategy: str, overlap: bool, bucket_bytes: int, prefetch_bytes: int
-) -> Callable[[nn.Module], tuple[nn.Module, torch.optim.Optimizer]]:
-    def build(base: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
-        model = copy.deepcopy(base)
-        model = gs.shard(
-            model, bench._groups(model), unit=Block, strategy=strategy, overlap=overlap,
-            prefetch_bytes=prefetch_bytes, reduce_bucket_bytes=bucket_bytes,
-        )  # fmt: skip
-        return model, torch.optim.AdamW(model.optimizer_groups(), lr=bench.LR)
-
-    return build
-
-
 DEEPSPEED = "DeepSpeed ZeRO-2"
 """DeepSpeed's ZeRO-2 with ``overlap_comm=True`` (its reduction of gradient buckets on a
 side stream), the baseline of ``grad_op``; a row only where ``import deepspeed`` works."""
-
-
-def _deepspeed_zero2(base: nn.Module) -> tuple[nn.Module, Any]:
-    """``benchmarks/run.py``'s ZeRO-2 engine, its config with ``overlap_comm`` on."""
-    import deepspeed
-
-    initialize = deepspeed.initialize
-
-    def with_overlap(*args: Any, config: dict[str, Any], **kwargs: Any) -> Any:
-        config["zero_optimization"]["overlap_comm"] = True
-        return initialize(*args, config=config, **kwargs)
-
-    with mock.patch.object(deepspeed, "initialize", with_overlap):
-        return bench.deepspeed_stage(2)(base)
 
 
 LOCAL = "local, no communication"
@@ -311,60 +284,49 @@ LOCAL = "local, no communication"
 a floor for every system (its parameters differ from the others')."""
 
 
-def _local(base: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
-    model = copy.deepcopy(base)
-    return model, bench._adamw(bench._groups(model))
+@dataclass(frozen=True)
+class Local(System):
+    """The plain model with AdamW in the two groups, no communication."""
+
+    def build(self, base: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = copy.deepcopy(base)
+        return model, adamw(decay_groups(model))
 
 
 def systems(
     bucket_bytes: int, prefetch_bytes: int = 25 * 2**20, deepspeed: bool = True
-) -> dict[str, Callable[[nn.Module], Any]]:
-    table: dict[str, Callable[[nn.Module], Any]] = {
-        LOCAL: _local,
-        "DDP": bench.ddp,
-        "FSDP2": bench.fsdp2,
-    }
-    if deepspeed and bench._deepspeed_available():
-        table[DEEPSPEED] = _deepspeed_zero2
+) -> dict[str, System]:
+    table: dict[str, System] = {LOCAL: Local(), "DDP": DDP(), "FSDP2": FSDP2()}
+    if deepspeed and deepspeed_available():
+        table[DEEPSPEED] = DeepSpeed(2, overlap_comm=True)
     for strategy in STRATEGIES:
         for overlap in (True, False):
-            table[_row(strategy, overlap)] = _groupshard(
-                strategy, overlap, bucket_bytes, prefetch_bytes
-            )
+            table[_row(strategy, overlap)] = Groupshard(
+                strategy, overlap=overlap, reduce_bucket_bytes=bucket_bytes,
+                prefetch_bytes=prefetch_bytes,
+            )  # fmt: skip
     return table
 
 
 # --- the run --------------------------------------------------------------------------------
 
 
-def _step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> Any:
+def _step(system: System, model: nn.Module, optimizer: Any, tokens: torch.Tensor) -> Any:
     """One training step with timestamps: (seconds, marks in ms, collective events)."""
     TIMELINE.start()
     cpu_started = time.process_time()
     started = time.perf_counter()
     loss = model(tokens[:, :-1], tokens[:, 1:])
     forward = time.perf_counter()
-    bench._backward(model, loss)  # a DeepSpeed engine runs its own
+    system.backward(model, loss)  # a DeepSpeed engine runs its own
     backward = time.perf_counter()
-    bench._optimizer_step(model, optimizer)  # and its own step (and zeroing)
+    system.optimizer_step(model, optimizer)  # and its own step (and zeroing)
     ended = time.perf_counter()
     cpu_ms = (time.process_time() - cpu_started) * 1e3  # every thread of this rank's process
     events = TIMELINE.stop()
     marks = {"forward_end": TIMELINE.ms(forward), "backward_end": TIMELINE.ms(backward),
              "step_end": TIMELINE.ms(ended), "cpu_ms": cpu_ms}  # fmt: skip
     return ended - started, marks, events
-
-
-def _full_params(name: str, model: nn.Module) -> dict[str, torch.Tensor]:
-    if name == DEEPSPEED:
-        return bench._full_params(name, bench.System(_deepspeed_zero2), model)
-    if hasattr(model, "groupshard"):
-        return {k: v.detach().clone() for k, v in gs.full_state_dict(model).items()}
-    state = getattr(model, "module", model).state_dict()
-    return {
-        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-        for k, v in state.items()
-    }
 
 
 def _max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -382,7 +344,7 @@ def _worker(rank: int, args: argparse.Namespace, store_path: str, result_path: s
         int(args.prefetch_mb * 2**20),
         deepspeed=not args.no_deepspeed,
     )
-    built = {name: build(base) for name, build in table.items()}
+    built = {name: system.build(base) for name, system in table.items()}
     names = list(built)
     steps = args.warmup + args.rounds
     batches = bench._batches(config, batch, 2, steps)
@@ -395,7 +357,7 @@ def _worker(rank: int, args: argparse.Namespace, store_path: str, result_path: s
             model, optimizer = built[name]
             tokens = batches[index][rank * batch : (rank + 1) * batch]
             dist.barrier()
-            elapsed, marks, events = _step(model, optimizer, tokens)
+            elapsed, marks, events = _step(table[name], model, optimizer, tokens)
             if index < args.warmup:
                 continue
             per_row[name]["step_ms_rounds"].append(elapsed * 1e3)
@@ -403,7 +365,7 @@ def _worker(rank: int, args: argparse.Namespace, store_path: str, result_path: s
             if name.startswith("groupshard"):
                 origin = TIMELINE.origin
                 per_row[name]["steps"].append({"origin": origin, "marks": marks, "events": events})
-    params = {name: _full_params(name, model) for name, (model, _) in built.items()}
+    params = {name: table[name].full_params(model) for name, (model, _) in built.items()}
     for name in names:
         per_row[name]["max_difference_vs_ddp"] = _max_difference(params[name], params["DDP"])
         if name.endswith("overlap on"):

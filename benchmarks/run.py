@@ -18,20 +18,18 @@ torch.optim.Muon + torch.optim.AdamW, its step time with "FSDP2 + torch Muon":
 "torch ZeRO + DDP + Muon" (torch's ZeroRedundancyOptimizer with torch.optim.Muon, whole
 matrices per rank by its greedy partition, and a second one with AdamW for the rest: both
 ZeRO-sharded), "FSDP2 + torch Muon" (torch.optim.Muon straight on FSDP2's DTensors: it
-accepts them, and DTensor dispatch redistributes inside Newton-Schulz: per matrix and step
-6 all-reduces and 7-8 all-gathers at world size 2 and 4), "FSDP2 + Muon, full_tensor per
-matrix" (torch.optim.Muon's math with one ``full_tensor()`` all-gather of each momentum-
-updated matrix, orthogonalized on every rank, each keeping its own shard),
-"groupshard full + Muon" (``gs.shard`` + ``gs.optim.Muon``) and "groupshard ZeRO + DDP +
-Muon" (``gs.ZeroRedundancyOptimizer(groups, gs.optim.Muon)`` + DDP). Where DeepSpeed is
-installed, "DeepSpeed ZeRO-2 + Muon": DeepSpeed 0.19.8's own Muon (``"type": "Muon"``, run
-inside its ZeRO-2 partitioning, its inline AdamW for the rest) with the ``"standard"``
-Newton-Schulz and torch's AdamW betas and eps; its result is not torch.optim.Muon's (on the
-tiny model it ends about as far from the torch reference as training moved it), so the row
-is compared for speed, its difference reported but not bounded. The Muon table
-adds each row's optimizer step over "DDP + torch Muon"'s, and each system's step time
-with Muon over its AdamW row's (``--rows muon-only``: the Muon rows and those AdamW rows
-alone).
+accepts them, and DTensor dispatch redistributes inside Newton-Schulz, with collectives per
+matrix and step), "FSDP2 + Muon, full_tensor per matrix" (torch.optim.Muon's math with one
+``full_tensor()`` all-gather of each momentum-updated matrix, orthogonalized on every rank,
+each keeping its own shard), "groupshard full + Muon" (``gs.shard`` + ``gs.optim.Muon``)
+and "groupshard ZeRO + DDP + Muon" (``gs.ZeroRedundancyOptimizer(groups, gs.optim.Muon)`` +
+DDP). Where DeepSpeed is installed, "DeepSpeed ZeRO-2 + Muon": DeepSpeed's own Muon
+(``"type": "Muon"``, run inside its ZeRO-2 partitioning, its inline AdamW for the rest)
+with the ``"standard"`` Newton-Schulz and torch's AdamW betas and eps; its result is not
+torch.optim.Muon's, so the row is compared for speed, its difference reported but not
+bounded. The Muon table adds each row's optimizer step over "DDP + torch Muon"'s, and each
+system's step time with Muon over its AdamW row's (``--rows muon-only``: the Muon rows and
+those AdamW rows alone).
 
 Mixed precision and gradient accumulation: groupshard full, FSDP2 and DeepSpeed ZeRO-3 in
 bf16 (gathered and computing in bf16, gradients reduced in fp32 into fp32 masters:
@@ -64,12 +62,15 @@ On CPU the ranks talk over gloo with one thread each; with ``--device cuda`` (th
 default where there are 2 or more GPUs) each rank takes one GPU and NCCL. gloo
 carries out a reduce-scatter as a full all-reduce, so on CPU every sharded system
 pays more for gradients than it would over NCCL.
+
+Code: this file is the driver (timing, measuring, references, tables); one adapter per
+system in ``benchmarks/systems/`` (``System`` in ``base.py``), the rows in ``rows.py``, the
+optimizers and parameter groups in ``optimizers.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import datetime
 import json
@@ -81,7 +82,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from unittest import mock
@@ -89,10 +90,13 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from optimizers import LR, adamw, decay_groups, muon_groups, torch_muon
+from rows import MICRO_BATCHES, MUON_PARTNERS, MUON_ROWS, systems
+from systems import System, device, unique_bytes
 from torch import nn
 
 import groupshard as gs
-from groupshard.cli.model import GPT, Block, GPTConfig
+from groupshard.cli.model import GPT, GPTConfig
 
 MODELS = {
     "4m": (GPTConfig(vocab_size=4096, block_size=128, n_layer=4, n_head=8, n_embd=256), 8),
@@ -100,438 +104,6 @@ MODELS = {
     "30m": (GPTConfig(vocab_size=8192, block_size=256, n_layer=8, n_head=8, n_embd=512), 4),
     "tiny": (GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32), 2),
 }
-LR = 1e-3
-MUON_LR, MUON_WEIGHT_DECAY = 0.02, 0.1
-"""The Muon group's hyperparameters in the Muon rows (weight decay: torch.optim.Muon's default)."""
-MUON_PARTNERS = {
-    "DDP + torch Muon": "DDP",
-    "torch ZeRO + DDP + Muon": "torch ZeRO + DDP",
-    "FSDP2 + torch Muon": "FSDP2",
-    "FSDP2 + Muon, full_tensor per matrix": "FSDP2",
-    "groupshard full + Muon": "groupshard full",
-    "groupshard ZeRO + DDP + Muon": "groupshard ZeRO + DDP",
-    "DeepSpeed ZeRO-2 + Muon": "DeepSpeed ZeRO-2",
-}
-"""Each Muon row and the AdamW row of the same system (DeepSpeed's where it is installed)."""
-MUON_ROWS = "|".join(
-    f"^{re.escape(name)}$" for name in (*MUON_PARTNERS, *dict.fromkeys(MUON_PARTNERS.values()))
-)
-"""``--rows`` for the Muon rows and their AdamW rows only."""
-MICRO_BATCHES = 4
-"""Micro-batches per optimizer step in the accumulation rows (``--micro-batches``)."""
-
-
-class PerParameterLAMB(torch.optim.Optimizer):
-    """A straightforward LAMB, one tensor at a time; on DTensors each norm is a collective."""
-
-    def __init__(self, params: Any, lr: float = LR, eps: float = 1e-6, weight_decay: float = 0.01):
-        super().__init__(
-            params, dict(lr=lr, betas=(0.9, 0.999), eps=eps, weight_decay=weight_decay)
-        )
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> None:
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
-                state["step"] += 1
-                state["exp_avg"].lerp_(p.grad, 1 - beta1)
-                state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-                m_hat = state["exp_avg"] / (1 - beta1 ** state["step"])
-                v_hat = state["exp_avg_sq"] / (1 - beta2 ** state["step"])
-                update = m_hat / (v_hat.sqrt() + group["eps"]) + group["weight_decay"] * p
-                w_norm, u_norm = p.norm(), update.norm()
-                if hasattr(w_norm, "full_tensor"):
-                    w_norm, u_norm = w_norm.full_tensor(), u_norm.full_tensor()
-                trust = (w_norm / u_norm).item() if w_norm > 0 and u_norm > 0 else 1.0
-                p.add_(update, alpha=-group["lr"] * trust)
-
-
-# --- the systems --------------------------------------------------------------------
-
-
-def _adamw(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(groups, lr=LR)
-
-
-def _groups(model: nn.Module) -> list[dict[str, Any]]:
-    return gs.decay_groups(model, 0.1)
-
-
-def _eight_groups(model: nn.Module) -> list[dict[str, Any]]:
-    order = {name: i for i, (name, _) in enumerate(model.named_parameters())}
-    return [
-        {**group, "params": [p for p in group["params"]]}
-        for group in gs.groups_by(
-            model,
-            lambda name, p: (p.ndim >= 2, order[name] % 4),
-            {(d, k): {"weight_decay": 0.1 if d else 0.0} for d in (True, False) for k in range(4)},
-        )
-    ]
-
-
-def _muon_groups(model: nn.Module) -> list[dict[str, Any]]:
-    """The hidden matrices in Muon, the rest in AdamW in the AdamW rows' two groups (2-D
-    embeddings with weight decay, vectors without)."""
-    muon, rest = gs.muon_groups(model)
-    no_decay = {id(p) for p in _groups(model)[1]["params"]}
-    adamw = {"use_muon": False, "lr": LR}
-    return [
-        {**muon, "lr": MUON_LR, "weight_decay": MUON_WEIGHT_DECAY},
-        {**adamw, "params": [p for p in rest["params"] if id(p) not in no_decay],
-         "weight_decay": 0.1},
-        {**adamw, "params": [p for p in rest["params"] if id(p) in no_decay],
-         "weight_decay": 0.0},
-    ]  # fmt: skip
-
-
-class _Optimizers:
-    """Several torch optimizers stepped as one (torch's Muon takes matrices only)."""
-
-    def __init__(self, *optimizers: Any) -> None:
-        self.optimizers = optimizers
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return [g for o in self.optimizers for g in o.param_groups]
-
-    @property
-    def state(self) -> dict[Any, Any]:  # the local optimizers' (inside torch's ZeRO)
-        return {k: v for o in self.optimizers for k, v in getattr(o, "optim", o).state.items()}
-
-    def step(self) -> None:
-        for optimizer in self.optimizers:
-            optimizer.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for optimizer in self.optimizers:
-            optimizer.zero_grad(set_to_none=set_to_none)
-
-
-def _plain(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k != "use_muon"}
-
-
-def _torch_muon(groups: list[dict[str, Any]], muon_class: Any = None) -> _Optimizers:
-    """torch.optim.Muon (or ``muon_class``) for the Muon group, AdamW for the rest."""
-    muon, *rest = groups
-    muon_class = muon_class or torch.optim.Muon
-    return _Optimizers(muon_class([_plain(muon)]), torch.optim.AdamW(list(map(_plain, rest))))
-
-
-class FullTensorMuon(torch.optim.Optimizer):
-    """torch.optim.Muon's math on FSDP2's DTensors, one matrix at a time: the momentum
-    update on the local shard, one ``full_tensor()`` all-gather of the updated matrix,
-    Newton-Schulz on every rank, and each rank keeps the rows of its own shard."""
-
-    def __init__(self, params: Any, lr: float = MUON_LR, weight_decay: float = MUON_WEIGHT_DECAY):
-        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=0.95))
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> None:
-        from torch.distributed.tensor import distribute_tensor
-        from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
-
-        from groupshard.optim.muon import NS_COEFFICIENTS, NS_EPS, NS_STEPS
-
-        for group in self.param_groups:
-            momentum = group["momentum"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["momentum_buffer"] = torch.zeros_like(p)
-                buffer = state["momentum_buffer"]
-                buffer.lerp_(p.grad, 1 - momentum)
-                update = p.grad.lerp(buffer, momentum).full_tensor()  # nesterov
-                update = _zeropower_via_newtonschulz(update, NS_COEFFICIENTS, NS_STEPS, NS_EPS)
-                local = distribute_tensor(
-                    update, p.device_mesh, p.placements, src_data_rank=None
-                )  # this rank's rows, no communication
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.add_(local, alpha=-_adjust_lr(group["lr"], None, p.shape))
-
-
-def ddp(base: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    model = copy.deepcopy(base)
-    return DDP(model), _adamw(_groups(model))
-
-
-def torch_zero(base: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    model = copy.deepcopy(base)
-    decay, no_decay = _groups(model)
-    optimizer = ZeroRedundancyOptimizer(
-        decay["params"], torch.optim.AdamW, lr=LR, weight_decay=0.1, parameters_as_bucket_view=True
-    )
-    optimizer.add_param_group(no_decay)  # its constructor takes one group
-    return DDP(model), optimizer
-
-
-def ddp_muon(base: nn.Module) -> tuple[nn.Module, Any]:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    model = copy.deepcopy(base)
-    return DDP(model), _torch_muon(_muon_groups(model))
-
-
-def torch_zero_muon(base: nn.Module) -> tuple[nn.Module, Any]:
-    """torch's ZeroRedundancyOptimizer with torch.optim.Muon (whole matrices per rank, by
-    its greedy partition), and another with AdamW for the rest (also ZeRO-sharded)."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    model = copy.deepcopy(base)
-    muon, decay, no_decay = map(_plain, _muon_groups(model))
-    muon_optimizer = ZeroRedundancyOptimizer(
-        muon["params"], torch.optim.Muon, lr=MUON_LR, weight_decay=MUON_WEIGHT_DECAY,
-        parameters_as_bucket_view=True,
-    )  # fmt: skip
-    adamw = ZeroRedundancyOptimizer(
-        decay["params"], torch.optim.AdamW, lr=LR, weight_decay=0.1,
-        parameters_as_bucket_view=True,
-    )  # fmt: skip
-    adamw.add_param_group(no_decay)  # its constructor takes one group
-    return DDP(model), _Optimizers(muon_optimizer, adamw)
-
-
-def fsdp2(
-    base: nn.Module, lamb: bool = False, bf16: bool = False, muon: str | None = None
-) -> tuple[nn.Module, Any]:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    policy = MixedPrecisionPolicy()  # FSDP2's default: no casts
-    if bf16:
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    model = copy.deepcopy(base)
-    for block in model.blocks:
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
-    if muon == "torch":  # torch.optim.Muon on the DTensors as they are
-        return model, _torch_muon(_muon_groups(model))
-    if muon == "full_tensor":
-        return model, _torch_muon(_muon_groups(model), FullTensorMuon)
-    groups = _groups(model)
-    return model, PerParameterLAMB(groups) if lamb else _adamw(groups)
-
-
-def fsdp1(base: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
-    model = FSDP(
-        copy.deepcopy(base), auto_wrap_policy=ModuleWrapPolicy({Block}),
-        use_orig_params=True, device_id=_device(),
-    )  # fmt: skip
-    return model, _adamw(_groups(model))
-
-
-def groupshard(
-    strategy: str,
-    lamb: bool = False,
-    groups: Callable[[nn.Module], Any] = _groups,
-    prefetch_bytes: int = 25 * 2**20,
-    bf16: bool = False,
-    muon: bool = False,
-) -> Callable[[nn.Module], tuple[nn.Module, torch.optim.Optimizer]]:
-    policy = gs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-
-    def build(base: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
-        model = copy.deepcopy(base)
-        model = gs.shard(
-            model, (_muon_groups if muon else groups)(model), unit=Block, strategy=strategy,
-            prefetch_bytes=prefetch_bytes, mixed_precision=policy if bf16 else None,
-        )  # fmt: skip
-        if lamb:
-            return model, gs.optim.LAMB(model.optimizer_groups(), lr=LR)
-        if muon:
-            return model, gs.optim.Muon(
-                model.optimizer_groups(), lr=MUON_LR, weight_decay=MUON_WEIGHT_DECAY
-            )
-        return model, _adamw(model.optimizer_groups())
-
-    return build
-
-
-def groupshard_zero(base: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    model = copy.deepcopy(base)
-    optimizer = gs.ZeroRedundancyOptimizer(
-        _groups(model), torch.optim.AdamW, lr=LR, parameters_as_bucket_view=True
-    )
-    return DDP(model), optimizer
-
-
-def groupshard_zero_muon(base: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    model = copy.deepcopy(base)
-    optimizer = gs.ZeroRedundancyOptimizer(
-        _muon_groups(model), gs.optim.Muon, lr=MUON_LR, weight_decay=MUON_WEIGHT_DECAY,
-        parameters_as_bucket_view=True,
-    )  # fmt: skip
-    return DDP(model), optimizer
-
-
-def deepspeed_stage(
-    stage: int, bf16: bool = False, micro_batches: int = 1, muon: bool = False
-) -> Callable[[nn.Module], tuple[nn.Module, Any]]:
-    """DeepSpeed ZeRO-``stage``; with ``muon``, DeepSpeed's own Muon (``"type": "Muon"``,
-    its inline AdamW for the rest) on the Muon rows' groups, with its ``"standard"``
-    Newton-Schulz (torch.optim.Muon's bf16 quintic iteration; its default, ``"gram"``,
-    is another algorithm)."""
-
-    def build(base: nn.Module) -> tuple[nn.Module, Any]:
-        import deepspeed
-
-        model = copy.deepcopy(base)
-        optimizer: dict[str, Any] = {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.1}}
-        groups = _groups(model)
-        if muon:
-            groups = _muon_groups(model)
-            for group in groups:
-                for param in group["params"]:
-                    param.use_muon = group["use_muon"]
-            groups = [{k: v for k, v in g.items() if k != "use_muon"} for g in groups]
-            optimizer = {"type": "Muon", "params": {
-                "lr": LR, "momentum": 0.95, "ns_method": "standard",
-                "betas": [0.9, 0.999], "eps": 1e-8,  # torch.optim.AdamW's (not Muon's own)
-            }}  # fmt: skip
-        config: dict[str, Any] = {
-            "train_micro_batch_size_per_gpu": 1,
-            "gradient_accumulation_steps": micro_batches,
-            "zero_optimization": {"stage": stage},
-            "optimizer": optimizer,
-        }
-        if bf16:
-            config["bf16"] = {"enabled": True}
-        engine, optimizer, _, _ = deepspeed.initialize(
-            model=model, config=config, model_parameters=groups, dist_init_required=False
-        )
-        return engine, optimizer
-
-    return build
-
-
-def _deepspeed_available() -> bool:
-    try:
-        import deepspeed  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-Builder = Callable[[nn.Module], tuple[nn.Module, Any]]
-
-
-@dataclass(frozen=True)
-class System:
-    """One row: how to build the system, and how it trains one optimizer step."""
-
-    build: Builder
-    micro_batches: int = 1  # micro-batches per optimizer step, each a normal step's batch
-    bf16: bool = False  # computes in bf16 (fp32 masters): compared with a bf16 reference
-    keep_gathered: bool = False  # units stay gathered after the accumulating backwards
-    lamb: bool = False  # compared with a LAMB reference
-    muon: bool = False  # compared with a torch.optim.Muon + AdamW reference
-    baseline: str = "FSDP2"  # the row its step time is compared with
-
-    def __call__(self, base: nn.Module) -> tuple[nn.Module, Any]:
-        return self.build(base)
-
-
-def _precision_rows(deepspeed: bool, micro_batches: int) -> dict[str, System]:
-    """bf16 rows, then fp32 and bf16 rows with gradient accumulation; each is compared
-    with the FSDP2 row run the same way."""
-    rows: dict[str, System] = {}
-
-    def fsdp2_bf16(bf16: bool) -> Builder:
-        return lambda base: fsdp2(base, bf16=bf16)
-
-    rows["FSDP2 bf16"] = System(fsdp2_bf16(True), bf16=True, baseline="FSDP2 bf16")
-    rows["groupshard full bf16"] = System(
-        groupshard("full", bf16=True), bf16=True, baseline="FSDP2 bf16"
-    )
-    if deepspeed:
-        rows["DeepSpeed ZeRO-3 bf16"] = System(
-            deepspeed_stage(3, bf16=True), bf16=True, baseline="FSDP2 bf16"
-        )
-    for bf16 in (False, True):
-        suffix = f"{' bf16' if bf16 else ''}, {micro_batches} micro-batches"
-        for kept in ("", ", kept gathered"):
-            baseline = f"FSDP2{suffix}{kept}"
-            options = dict(micro_batches=micro_batches, bf16=bf16, keep_gathered=bool(kept),
-                           baseline=baseline)  # fmt: skip
-            rows[baseline] = System(fsdp2_bf16(bf16), **options)
-            rows[f"groupshard full{suffix}{kept}"] = System(
-                groupshard("full", bf16=bf16), **options
-            )
-        if deepspeed:
-            rows[f"DeepSpeed ZeRO-3{suffix}"] = System(
-                deepspeed_stage(3, bf16=bf16, micro_batches=micro_batches),
-                micro_batches=micro_batches, bf16=bf16, baseline=f"FSDP2{suffix}",
-            )  # fmt: skip
-    return rows
-
-
-def _muon_rows() -> dict[str, System]:
-    """Muon for the hidden matrices, AdamW for the rest; step time compared with FSDP2's."""
-    options = dict(muon=True, baseline="FSDP2 + torch Muon")
-    rows = {
-        "DDP + torch Muon": System(ddp_muon, **options),
-        "torch ZeRO + DDP + Muon": System(torch_zero_muon, **options),
-        "FSDP2 + torch Muon": System(lambda base: fsdp2(base, muon="torch"), **options),
-        "FSDP2 + Muon, full_tensor per matrix": System(
-            lambda base: fsdp2(base, muon="full_tensor"), **options
-        ),
-        "groupshard full + Muon": System(groupshard("full", muon=True), **options),
-        "groupshard ZeRO + DDP + Muon": System(groupshard_zero_muon, **options),
-    }
-    if _deepspeed_available():
-        rows["DeepSpeed ZeRO-2 + Muon"] = System(deepspeed_stage(2, muon=True), **options)
-    return rows
-
-
-def systems(
-    lamb: bool = True, micro_batches: int = MICRO_BATCHES, muon: bool = False
-) -> dict[str, System]:
-    deepspeed = _deepspeed_available()
-    table: dict[str, System] = {
-        "DDP": System(ddp),
-        "torch ZeRO + DDP": System(torch_zero),
-        "FSDP2": System(fsdp2),
-        "FSDP1": System(fsdp1),
-    }
-    if deepspeed:
-        for stage in (1, 2, 3):
-            table[f"DeepSpeed ZeRO-{stage}"] = System(deepspeed_stage(stage))
-    table.update({
-        "groupshard full": System(groupshard("full")),
-        "groupshard grad_op": System(groupshard("grad_op")),
-        "groupshard no_shard": System(groupshard("no_shard")),
-        "groupshard ZeRO + DDP": System(groupshard_zero),
-        "groupshard full, 8 groups": System(groupshard("full", groups=_eight_groups)),
-        "groupshard full, prefetch 0": System(groupshard("full", prefetch_bytes=0)),
-    })  # fmt: skip
-    if lamb:
-        table["groupshard full + LAMB"] = System(groupshard("full", lamb=True), lamb=True)
-        table["FSDP2 + per-parameter LAMB"] = System(lambda base: fsdp2(base, lamb=True), lamb=True)
-    table.update(_precision_rows(deepspeed, micro_batches))
-    if muon:
-        table.update(_muon_rows())
-    return table
 
 
 # --- measuring ---------------------------------------------------------------------------
@@ -543,55 +115,10 @@ def _batches(config: GPTConfig, batch: int, world_size: int, count: int) -> list
     return [torch.randint(0, config.vocab_size, shape, generator=generator) for _ in range(count)]
 
 
-def _device() -> torch.device:
-    """Where this rank computes: its GPU under NCCL, else the CPU."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _now() -> float:
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()
     return time.perf_counter()
-
-
-def _is_deepspeed(model: Any) -> bool:
-    return hasattr(model, "zero_optimization_stage")
-
-
-def _backward(model: Any, loss: torch.Tensor) -> None:
-    """The backward pass (a DeepSpeed engine runs its own, into its own gradient buffers)."""
-    if _is_deepspeed(model):
-        model.backward(loss)
-    else:
-        loss.backward()
-
-
-def _optimizer_step(model: Any, optimizer: Any) -> None:
-    if _is_deepspeed(model):
-        model.step()
-    else:
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-
-@contextlib.contextmanager
-def _micro_batch(system: System, model: Any, last: bool) -> Iterator[None]:
-    """One micro-batch's forward and backward: gradients synced on the last one only
-    (groupshard: ``no_sync``; FSDP2: ``set_requires_gradient_sync``; DeepSpeed counts
-    micro-batches itself). Kept gathered: units stay gathered after the other backwards."""
-    if system.micro_batches == 1 or _is_deepspeed(model):
-        yield
-        return
-    if system.keep_gathered:
-        model.set_reshard_after_backward(last)
-    if hasattr(model, "groupshard"):
-        with contextlib.nullcontext() if last else model.no_sync():
-            yield
-        return
-    model.set_requires_gradient_sync(last)  # FSDP2
-    yield
 
 
 def _step(
@@ -601,75 +128,20 @@ def _step(
     micro_batches: list[torch.Tensor],
     after_backward: Callable[[int], None] | None = None,
 ) -> tuple[float, float]:
-    """One optimizer step over ``micro_batches`` (the loss of each divided by their number,
-    so that the step sees the mean gradient); returns (total seconds, optimizer seconds).
-    ``after_backward(i)`` runs after micro-batch ``i``'s backward."""
+    """One optimizer step over ``micro_batches`` (``system.micro_batches`` of them, gradients
+    synced on the last); returns (total seconds, optimizer seconds). ``after_backward(i)``
+    runs after micro-batch ``i``'s backward."""
     started = _now()
-    count = len(micro_batches)
     for index, tokens in enumerate(micro_batches):
-        last = index == count - 1
-        with _micro_batch(system, model, last):
+        with system.micro_batch(model, last=index == len(micro_batches) - 1):
             loss = model(tokens[:, :-1], tokens[:, 1:])
-            if count > 1 and not _is_deepspeed(model):  # DeepSpeed divides by itself
-                loss = loss / count
-            _backward(model, loss)
+            system.backward(model, loss)
         if after_backward is not None:
             after_backward(index)
-        if not last and _is_deepspeed(model):
-            model.step()  # DeepSpeed wants a step per micro-batch; it steps on the last
     optimizer_started = _now()
-    _optimizer_step(model, optimizer)
+    system.optimizer_step(model, optimizer)
     finished = _now()
     return finished - started, finished - optimizer_started
-
-
-def _unique_bytes(tensors: list[torch.Tensor]) -> int:
-    seen: dict[int, int] = {}
-    for tensor in tensors:
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        storage = local.untyped_storage()
-        seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
-    return sum(seen.values())
-
-
-def _fsdp2_unsharded_bytes(model: nn.Module) -> int:
-    """Bytes of unsharded parameters FSDP2 holds now (its freed buffers have empty storage)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    held = 0
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        group = module._get_fsdp_state()._fsdp_param_group
-        for fsdp_param in group.fsdp_params if group is not None else ():
-            held += sum(t.untyped_storage().nbytes() for t in fsdp_param.all_gather_outputs)
-    return held
-
-
-@contextlib.contextmanager
-def _gathered_peak(model: Any) -> Iterator[Callable[[], int | None]]:
-    """The most unsharded parameter bytes held at once while inside: groupshard's own
-    count, FSDP2's sampled after each of its unshards (gathered memory only grows there);
-    ``None`` for other systems."""
-    runtime = model.groupshard.runtime if hasattr(model, "groupshard") else None
-    if runtime is not None:
-        runtime.peak_gathered_bytes = 0
-        yield lambda: runtime.peak_gathered_bytes
-        return
-    if not hasattr(model, "_get_fsdp_state"):
-        yield lambda: None
-        return
-    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-
-    peak = [0]
-    original = FSDPParamGroup.wait_for_unshard
-
-    def sampled(self: FSDPParamGroup) -> None:
-        original(self)
-        peak[0] = max(peak[0], _fsdp2_unsharded_bytes(model))
-
-    with mock.patch.object(FSDPParamGroup, "wait_for_unshard", sampled):
-        yield lambda: peak[0]
 
 
 def _held_bytes(
@@ -683,62 +155,15 @@ def _held_bytes(
 
     def measure(index: int) -> None:
         if count > 1 and index == count - 2:
-            held["accumulated_grads"] = _accumulated_grad_bytes(model)
+            held["accumulated_grads"] = system.accumulated_grad_bytes(model)
         if index == count - 1:
-            held.update(_counted_bytes(model, optimizer))
+            tensors = system.held_tensors(model, optimizer)
+            held.update({key: unique_bytes(kind) for key, kind in tensors.items()})
 
-    with _gathered_peak(model) as gathered_peak:
+    with system.gathered_peak(model) as gathered_peak:
         _step(system, model, optimizer, micro_batches, measure)
         held["gathered_peak"] = gathered_peak()
     return held
-
-
-def _accumulated_grad_bytes(model: Any) -> int | None:
-    """Bytes of the unsharded gradients a rank holds between backwards without gradient
-    sync: groupshard's local sums (``storage.accumulated_grad``); FSDP2's unsharded
-    gradients (``unsharded_accumulated_grad`` when it accumulates in another dtype than
-    it computes, else the unsharded parameters' ``.grad``); None for other systems."""
-    if hasattr(model, "groupshard"):
-        sums = [s.accumulated_grad for s in model.groupshard.storages]
-        return _unique_bytes([g for g in sums if g is not None])
-    if not hasattr(model, "_get_fsdp_state"):
-        return None
-    from torch.distributed.fsdp import FSDPModule
-
-    grads = []
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        group = module._get_fsdp_state()._fsdp_param_group
-        for fsdp_param in group.fsdp_params if group is not None else ():
-            if fsdp_param.unsharded_accumulated_grad is not None:
-                grads.append(fsdp_param.unsharded_accumulated_grad)
-            unsharded = getattr(fsdp_param, "_unsharded_param", None)
-            if unsharded is not None and unsharded.grad is not None:
-                grads.append(unsharded.grad)
-    return _unique_bytes(grads)
-
-
-def _counted_bytes(model: Any, optimizer: Any) -> dict[str, int | None]:
-    params = [p for p in model.parameters()]
-    if hasattr(model, "groupshard"):
-        params = [s for storage in model.groupshard.storages for s in storage.shards]
-    grads = [p.grad for p in params if p.grad is not None]
-    grads += getattr(optimizer, "gradient_slices", [])  # groupshard ZeRO's, kept between steps
-    inner = getattr(optimizer, "optim", optimizer)
-    states = [
-        v
-        for state in getattr(inner, "state", {}).values()
-        for v in state.values()
-        if isinstance(v, torch.Tensor) and v.dim() > 0
-    ]
-    if hasattr(optimizer, "fp32_partitioned_groups_flat") or hasattr(
-        optimizer, "single_partition_of_fp32_groups"
-    ):
-        states = [v for state in optimizer.optimizer.state.values() for v in state.values()
-                  if isinstance(v, torch.Tensor) and v.dim() > 0]  # fmt: skip
-    return {"params": _unique_bytes(params), "grads": _unique_bytes(grads),
-            "state": _unique_bytes(states)}  # fmt: skip
 
 
 def _groupshard_volume() -> tuple[dict[str, Any], dict[str, float], dict[str, int], dict[str, int]]:
@@ -825,7 +250,7 @@ class _Op:
 
 def _c10d_events(prof: Any) -> list[Any]:
     """The profiled ``c10d::`` ops but barriers, read from the raw Kineto events (building
-    torch's FunctionEvent tree of every op costs seconds on an accumulation step)."""
+    torch's FunctionEvent tree of every op is slow on an accumulation step)."""
     try:
         raw = [(e.name(), e.shapes(), e.dtypes()) for e in prof.profiler.kineto_results.events()]
     except AttributeError:  # another torch: the public, slower way
@@ -865,7 +290,7 @@ def _collectives(
     world_size = dist.get_world_size()
     result = {"count": len(events), "ops": ops, "groupshard_bytes": sum(moved.values()) or None,
               "profiled_bytes": _profiled_bytes(events, world_size, element_size)}  # fmt: skip
-    if hasattr(model, "groupshard"):
+    if system.collectives_in_comm:
         result["gather_bytes"] = moved.get("all_gather", 0.0)
         result["reduce_bytes"] = moved.get("reduce_scatter_mean", 0.0) + moved.get(
             "all_reduce_mean", 0.0
@@ -875,7 +300,7 @@ def _collectives(
         result["all_to_alls"] = calls["all_to_all"]
         result["all_to_all_bytes"] = moved["all_to_all"]
         result["all_to_all_buffer_bytes"] = held["all_to_all_buffers"]
-    if not hasattr(model, "groupshard"):
+    if not system.collectives_in_comm:
         # None where some op of the kind recorded no sizes (all-reduces, list all-gathers)
         for key, kinds in (("gather_bytes", ("allgather",)),
                            ("reduce_bytes", ("reduce_scatter", "allreduce"))):  # fmt: skip
@@ -885,38 +310,6 @@ def _collectives(
             count for op, count in ops.items() if "reduce_scatter" in op
         )
     return result
-
-
-def _full_params(name: str, system: System, model: Any) -> dict[str, torch.Tensor]:
-    """The trained parameters, unsharded: the fp32 masters where the model computes in bf16."""
-    if hasattr(model, "groupshard"):
-        return {k: v for k, v in gs.full_state_dict(model).items()}
-    if name.startswith("DeepSpeed") and system.bf16:
-        from deepspeed.utils import safe_get_full_fp32_param
-
-        return {
-            k: safe_get_full_fp32_param(v).detach().clone()
-            for k, v in model.module.named_parameters(remove_duplicate=False)
-        }
-    if name.startswith("DeepSpeed"):
-        import deepspeed
-
-        params = list(model.module.parameters())
-        with deepspeed.zero.GatheredParameters(
-            params, enabled=model.zero_optimization_stage() == 3
-        ):
-            return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
-    if name == "FSDP1":
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-        with FSDP.summon_full_params(model):
-            return {k.replace("_fsdp_wrapped_module.", ""): v.detach().clone()
-                    for k, v in model.state_dict().items()}  # fmt: skip
-    state = getattr(model, "module", model).state_dict()
-    return {
-        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-        for k, v in state.items()
-    }
 
 
 def _add(total: list[torch.Tensor], more: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -944,9 +337,10 @@ def _reference(
     fp32 masters step.
     """
     model = copy.deepcopy(base)
-    optimizer: Any = gs.optim.LAMB(_groups(model), lr=LR) if lamb else _adamw(_groups(model))
+    groups = decay_groups(model)
+    optimizer: Any = gs.optim.LAMB(groups, lr=LR) if lamb else adamw(groups)
     if muon:
-        optimizer = _torch_muon(_muon_groups(model))
+        optimizer = torch_muon(muon_groups(model))
     compute = None
     if bf16 or same_order:
         compute = copy.deepcopy(base).to(torch.bfloat16 if bf16 else torch.float32)
@@ -991,17 +385,17 @@ def _worker(rank: int, args: argparse.Namespace, store_path: str, result_path: s
     _init(rank, args.world_size, store_path, args.device)
     config, batch = MODELS[args.model]
     torch.manual_seed(0)
-    base = GPT(config).to(_device())
+    base = GPT(config).to(device())
     table = systems(lamb=not args.no_lamb, micro_batches=args.micro_batches, muon=args.muon)
     if args.only:
         table = {args.only: table[args.only]}
     if args.rows:
         table = {name: system for name, system in table.items() if re.search(args.rows, name)}
-    built = {name: system(base) for name, system in table.items()}
+    built = {name: system.build(base) for name, system in table.items()}
     steps = args.warmup + args.rounds + 2  # + one profiled step + one measured for memory
     # per step, the global batch: every rank's micro-batches, rank-major
     global_batches = {
-        count: [b.to(_device()) for b in _batches(config, batch * count, args.world_size, steps)]
+        count: [b.to(device()) for b in _batches(config, batch * count, args.world_size, steps)]
         for count in sorted({system.micro_batches for system in table.values()})
     }
 
@@ -1065,7 +459,7 @@ def _worker(rank: int, args: argparse.Namespace, store_path: str, result_path: s
 
         for name, (model, _) in built.items():
             system = table[name]
-            full = _full_params(name, system, model)
+            full = system.full_params(model)
             expected = reference(system.lamb, system.bf16, system.micro_batches, muon=system.muon)
             results[name]["max_difference"] = difference(full, expected)
             if system.muon:

@@ -147,7 +147,7 @@ def two_forwards_case(rank: int, world_size: int, strategy: str) -> tuple[float,
         for opt in (optimizer, reference_optimizer):
             opt.step()
             opt.zero_grad()
-    gathered = sharded.groupshard.runtime.gathered_bytes()
+    gathered = sharded.groupshard.runtime.gathers.gathered_bytes()
     return max_difference(gs.full_state_dict(sharded), reference.state_dict()), gathered
 
 

@@ -120,7 +120,8 @@ def test_muon_rows_run_and_match_torch_muon(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads(output.read_text())["rows"]
     sys.path.insert(0, str(BENCHMARKS))
-    from run import MODELS, MUON_PARTNERS, _deepspeed_available
+    from run import MODELS, MUON_PARTNERS
+    from systems import deepspeed_available as _deepspeed_available
 
     muon_elements = sum(p.numel() for p in gs.muon_groups(GPT(MODELS["tiny"][0]))[0]["params"])
     partners = {

@@ -133,7 +133,7 @@ def spy(name, globals=None, locals=None, fromlist=(), level=0):
         seen.append((importer, name))
     return original(name, globals, locals, fromlist, level)
 builtins.__import__ = spy
-import groupshard.checkpoint, groupshard.checkpoint.__main__, groupshard.statedict, groupshard.zero
+import groupshard.checkpoint, groupshard.checkpoint.__main__, groupshard.full_state, groupshard.zero
 import groupshard.cli.train
 print(seen)
 """

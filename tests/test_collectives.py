@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import groupshard as gs
-from groupshard import comm, runtime
+from groupshard import buckets as bucketing
+from groupshard import comm
 from groupshard.cli.model import GPT, Block, GPTConfig
 
 from helpers import BATCH_PER_RANK, UNITS, EdgeGPT, global_batches
@@ -108,13 +109,13 @@ def bucket_case(
     unit_of = {id(s): unit.name or "<root>" for unit in state.units for s in unit.storages}
     optimizer = torch.optim.AdamW(sharded.optimizer_groups(), lr=1e-3)
     steps: list[list[list[str]]] = []
-    original = runtime.reduce_gradients
+    original = bucketing.reduce_gradients
 
     def recorded(storages, *args, **kwargs):
         steps[-1].append([unit_of[id(s)] for s in storages])
         return original(storages, *args, **kwargs)
 
-    with mock.patch.object(runtime, "reduce_gradients", recorded):
+    with mock.patch.object(bucketing, "reduce_gradients", recorded):
         for inputs, targets in global_batches(3, world_size):
             steps.append([])
             local = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)

@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 import groupshard as gs
-from groupshard import comm, flatstate
+from groupshard import comm, flatten
 from groupshard.cli.model import GPT, Block, GPTConfig
-from groupshard.flat import segments_of
 from groupshard.optim.muon import assign_owners, newton_schulz_cost
+from groupshard.segments import segments_of
 
 pytestmark = pytest.mark.skipif(
     not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon (the reference) needs torch 2.9+"
@@ -115,7 +115,7 @@ def set_shard_grads(sharded: gs.ShardedModule, grads: dict[str, torch.Tensor]) -
             storage.trainable_shards, storage.layout.trainable_buffers, strict=True
         ):
             values = [grads[slot.fqn] for slot in buffer.params]
-            shard.grad = flatstate.shard_of(values, buffer, storage.shard_rank, shard)
+            shard.grad = flatten.shard_of(values, buffer, storage.shard_rank, shard)
 
 
 def step_with(grads, optimizers, model=None, sharded=None) -> None:
@@ -546,7 +546,7 @@ def test_momentum_state_is_laid_out_like_the_shard():
         for shard in group["params"]:
             state = optimizer.state[shard]
             keys = ["momentum_buffer"] if group["use_muon"] else ["exp_avg", "exp_avg_sq"]
-            assert all(flatstate.is_per_element(state[k], shard) for k in keys)
+            assert all(flatten.is_per_element(state[k], shard) for k in keys)
 
 
 # --- presets and bad input --------------------------------------------------------------

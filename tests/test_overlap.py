@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import groupshard as gs
-from groupshard import comm, runtime
+from groupshard import buckets, comm
 from groupshard.cli.model import Block
 
 from helpers import (
@@ -89,8 +89,8 @@ def train_case(
     return {
         "weights": gs.full_state_dict(sharded),
         "counts": dict(counts),
-        "peak_gathered": state.peak_gathered_bytes,
-        "peak_reducing": state.peak_reducing_bytes,
+        "peak_gathered": state.gathers.peak_gathered_bytes,
+        "peak_reducing": state.buckets.peak_reducing_bytes,
         "root_bytes": state.units[0].unsharded_bytes,
         "largest_unit": largest_unit,
         "largest_gradient": max(
@@ -142,7 +142,7 @@ def test_memory_in_flight_is_bounded(run_ranks, strategy):
         if strategy == "full":
             bound = result["root_bytes"] + result["largest_unit"] + prefetch
             assert result["peak_gathered"] <= bound, result
-        gradient_bound = runtime.REDUCES_IN_FLIGHT * (bucket + result["largest_gradient"])
+        gradient_bound = buckets.REDUCES_IN_FLIGHT * (bucket + result["largest_gradient"])
         assert 0 < result["peak_reducing"] <= gradient_bound, result
 
 

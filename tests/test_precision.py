@@ -303,7 +303,7 @@ def test_accumulation_under_bf16_sums_in_reduce_dtype():
     inputs, targets = global_batches(1, 1)[0]
     with sharded.no_sync():
         sharded(inputs, targets).backward()
-    held = [s.accumulated_grad for s in sharded.groupshard.storages]
+    held = [s.gradients.accumulated for s in sharded.groupshard.storages]
     assert held and all(g is not None and g.dtype == torch.float32 for g in held)
     sharded(inputs, targets).backward()
-    assert all(s.accumulated_grad is None for s in sharded.groupshard.storages)
+    assert all(s.gradients.accumulated is None for s in sharded.groupshard.storages)

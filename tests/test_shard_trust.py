@@ -341,7 +341,7 @@ def test_a_name_outside_forward_is_the_users_parameter():
     assert [
         frozen
         for s in sharded.groupshard.storages
-        for frozen, p in zip(s.frozen_flags(), s.trainable_originals, strict=True)
+        for frozen, p in zip(s.gradients.frozen_flags(), s.gradients.originals, strict=True)
         if p is original
     ] == [True]
 

@@ -327,7 +327,7 @@ def test_zero_imports_neither_the_model_front_end_nor_state_dicts():
     command = [sys.executable, "-c", probe]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert "groupshard.api" not in result.stdout and "groupshard.statedict" not in result.stdout
+    assert "groupshard.api" not in result.stdout and "groupshard.full_state" not in result.stdout
 
 
 # --- sharded checkpoints: gs.checkpoint.save(path, ddp_model, zero) ---------------------

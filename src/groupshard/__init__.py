@@ -12,7 +12,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from groupshard import checkpoint, optim
     from groupshard.api import ShardedModule, shard, shard_optimizer
-    from groupshard.groups import decay_groups, groups_by, muon_groups
+    from groupshard.full_state import (
+        full_state_dict,
+        load_full_state_dict,
+        load_optim_state_dict,
+        optim_state_dict,
+    )
+    from groupshard.groups import decay_groups, groups_by
     from groupshard.norms import (
         clip_grad_norm_,
         clip_grad_norm_per_group_,
@@ -20,14 +26,9 @@ if TYPE_CHECKING:
         norm_report,
         param_norms,
     )
+    from groupshard.optim.muon_groups import muon_groups
     from groupshard.precision import MixedPrecision
     from groupshard.safetensors_io import save_safetensors
-    from groupshard.statedict import (
-        full_state_dict,
-        load_full_state_dict,
-        load_optim_state_dict,
-        optim_state_dict,
-    )
     from groupshard.zero import ZeroRedundancyOptimizer
 
 _SUBPACKAGES = ("checkpoint", "optim")
@@ -37,7 +38,7 @@ _HOMES = {
     "shard_optimizer": "api",
     "decay_groups": "groups",
     "groups_by": "groups",
-    "muon_groups": "groups",
+    "muon_groups": "optim.muon_groups",
     "MixedPrecision": "precision",
     "save_safetensors": "safetensors_io",
     "clip_grad_norm_": "norms",
@@ -45,10 +46,10 @@ _HOMES = {
     "grad_norms": "norms",
     "norm_report": "norms",
     "param_norms": "norms",
-    "full_state_dict": "statedict",
-    "load_full_state_dict": "statedict",
-    "load_optim_state_dict": "statedict",
-    "optim_state_dict": "statedict",
+    "full_state_dict": "full_state",
+    "load_full_state_dict": "full_state",
+    "load_optim_state_dict": "full_state",
+    "optim_state_dict": "full_state",
     "ZeroRedundancyOptimizer": "zero",
 }
 

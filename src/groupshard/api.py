@@ -12,9 +12,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
 
 from groupshard import comm
-from groupshard.flat import FlatStorage
+from groupshard.full_state import full_state_dict, load_full_state_dict
 from groupshard.groups import ParamGroups, ResolvedGroups, resolve_groups
 from groupshard.layout import FROZEN_GROUP, StorageLayout, build_storage
 from groupshard.materialize import (
@@ -24,41 +25,18 @@ from groupshard.materialize import (
     meta_parameters,
     release_free_memory,
 )
+from groupshard.options import BUCKET_BYTES, FIRST_BUCKET_BYTES, ShardOptions
 from groupshard.precision import MixedPrecision, PrecisionSpec, unit_policy
-from groupshard.runtime import FIRST_BUCKET_BYTES, STRATEGIES, ShardedRuntime, UnitRuntime
+from groupshard.runtime import ShardedRuntime, TrainingState
+from groupshard.sharding import (
+    ShardingState,
+    register_shards,
+    swap_in_originals,
+    swap_out_originals,
+)
+from groupshard.storage import FlatStorage
+from groupshard.unit_runtime import UnitRuntime
 from groupshard.units import UnitPlan, UnitSpec, plan_units
-
-
-class ShardingState:
-    """Everything ``shard`` attached to a model (``model.groupshard``)."""
-
-    def __init__(
-        self,
-        groups: ResolvedGroups,
-        plan: UnitPlan,
-        runtime: ShardedRuntime,
-        original_params: dict[str, nn.Parameter],
-        ranks: comm.Ranks,
-    ) -> None:
-        self.groups = groups
-        self.plan = plan
-        self.runtime = runtime
-        self.original_params = original_params  # FQN -> the user's tensor, now its piece
-        self.ranks = ranks
-        self.originals_registered = False  # inside summon_full_params / originals_installed
-
-    @property
-    def storages(self) -> list[FlatStorage]:
-        return self.runtime.storages
-
-    def shards_of_group(self, group_index: int) -> list[nn.Parameter]:
-        """The shard parameters that hold group ``group_index``, in unit order."""
-        return [
-            shard
-            for storage in self.storages
-            for shard, buffer in zip(storage.shards, storage.layout.buffers, strict=True)
-            if buffer.group_index == group_index
-        ]
 
 
 class ShardedModule(nn.Module):
@@ -87,8 +65,6 @@ class ShardedModule(nn.Module):
         on rank 0 only). Inside ``summon_full_params``: the summoned parameters."""
         if self.groupshard.originals_registered:
             return super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
-        from groupshard.statedict import full_state_dict
-
         full = full_state_dict(self)
         if destination is None:
             destination = OrderedDict()
@@ -105,10 +81,6 @@ class ShardedModule(nn.Module):
         ``strict=False`` keeps the current values of missing entries (gathered: then a
         collective) and returns them with the unexpected ones, as torch does.
         """
-        from torch.nn.modules.module import _IncompatibleKeys
-
-        from groupshard.statedict import full_state_dict, load_full_state_dict
-
         if assign:
             raise ValueError(
                 "load_state_dict(assign=True) would replace the parameters of a sharded "
@@ -162,7 +134,7 @@ class ShardedModule(nn.Module):
         """
         state = self.groupshard
         runtime = state.runtime
-        if runtime.summoned:
+        if runtime.state is TrainingState.SUMMONED:
             raise RuntimeError(
                 "summon_full_params is already active on this model; do not nest it."
             )
@@ -177,19 +149,19 @@ class ShardedModule(nn.Module):
                 for storage, unsharded in zip(state.storages, masters, strict=True)
                 for fqn, view in storage.param_views(unsharded=unsharded).items()
             }
-            _swap_in_originals(state, views)
-        runtime.summoned = True
+            swap_in_originals(state, views)
+        runtime.state = TrainingState.SUMMONED
         try:
             yield
         finally:
-            runtime.summoned = False
+            runtime.state = TrainingState.IDLE
             with torch.no_grad():
                 if writeback:
                     _write_back(state, masters)
                 for storage, snapshot in zip(state.storages, snapshots, strict=True):
                     if snapshot is not None:
                         storage.local.copy_(snapshot)
-                _swap_out_originals(state)
+                swap_out_originals(state)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Backwards inside keep this rank's gradient sum locally, with no collective (as
@@ -229,9 +201,7 @@ class ShardedModule(nn.Module):
 
     def reshard(self) -> None:
         """Free every gathered unit now (FSDP2's ``reshard``)."""
-        self.groupshard.runtime.wait_for_gathers()
-        for unit in self.groupshard.runtime.units:
-            unit.reshard()
+        self.groupshard.runtime.reshard()
 
 
 @contextmanager
@@ -255,38 +225,6 @@ def _without_gradient_sync(model: ShardedModule) -> Iterator[None]:
         runtime.requires_gradient_sync = True
 
 
-def _shard_attr_name(buffer_group: int, dtype: torch.dtype) -> str:
-    group = "frozen" if buffer_group == FROZEN_GROUP else f"group{buffer_group}"
-    return f"groupshard_{group}_{str(dtype).removeprefix('torch.')}"
-
-
-def _swap_in_originals(state: ShardingState, data: Mapping[str, torch.Tensor]) -> None:
-    """Register the user's original parameters again, holding ``data``, instead of the shards."""
-    state.originals_registered = True
-    for unit in state.runtime.units:
-        for storage in unit.storages:
-            for buffer in storage.layout.buffers:
-                del unit.module._parameters[
-                    _shard_attr_name(buffer.group_index, storage.layout.dtype)
-                ]
-        for fqn, places in unit.places.items():
-            original = state.original_params[fqn]
-            original.data = data[fqn]
-            for module, attr in places:
-                module.__dict__.pop(attr, None)
-                module._parameters[attr] = original
-
-
-@contextmanager
-def originals_installed(model: ShardedModule, data: Mapping[str, torch.Tensor]) -> Iterator[None]:
-    """Within the block the model has its original parameters, holding ``data`` (by FQN)."""
-    _swap_in_originals(model.groupshard, data)
-    try:
-        yield
-    finally:
-        _swap_out_originals(model.groupshard)
-
-
 def _write_back(state: ShardingState, masters: list[torch.Tensor]) -> None:
     unsharded_of = dict(zip(map(id, state.storages), masters, strict=True))
     for unit in state.runtime.units:
@@ -304,22 +242,6 @@ def _write_back(state: ShardingState, masters: list[torch.Tensor]) -> None:
                 if current.data_ptr() != view.data_ptr():
                     view.copy_(current.detach())
             storage.write_back(unsharded_of[id(storage)])
-
-
-def _swap_out_originals(state: ShardingState) -> None:
-    state.originals_registered = False
-    for unit in state.runtime.units:
-        for storage in unit.storages:
-            for fqn in storage.layout.fqns:
-                for module, attr in unit.places[fqn]:
-                    module._parameters.pop(attr, None)
-            _register_shards(unit.module, storage)
-        unit.install_local_pieces()
-
-
-def _register_shards(module: nn.Module, storage: FlatStorage) -> None:
-    for shard, buffer in zip(storage.shards, storage.layout.buffers, strict=True):
-        module.register_parameter(_shard_attr_name(buffer.group_index, storage.layout.dtype), shard)
 
 
 def _plan_storages(
@@ -410,9 +332,9 @@ def shard(
     process_group: Any = None,
     default_group: Mapping[str, Any] | None = None,
     sync_module_states: bool = True,
-    reduce_bucket_bytes: int = 25 * 2**20,
+    reduce_bucket_bytes: int = BUCKET_BYTES,
     first_bucket_bytes: int = FIRST_BUCKET_BYTES,
-    prefetch_bytes: int = 25 * 2**20,
+    prefetch_bytes: int = BUCKET_BYTES,
     mixed_precision: PrecisionSpec = None,
     overlap: bool = True,
     param_init_fn: ParamInitFn | None = None,
@@ -430,50 +352,37 @@ def shard(
         process_group: defaults to the default group (a single process if none).
         default_group: hyperparameters for trainable parameters no group names;
             ``None`` makes leaving one out an error.
-        sync_module_states: broadcast rank 0's parameters first, as DDP does.
-        reduce_bucket_bytes: unit gradients wait until this many bytes are ready, then
-            go in one reduce-scatter (as DDP's buckets); 0 reduces each unit at once.
-            A bucket is also sent early when the gradient that came next in the last
-            backward would overfill it, so the last gradients of backward, whose
-            reduction nothing can hide, are not held back with earlier ones.
-        first_bucket_bytes: the limit of each backward's first bucket (at most
-            ``reduce_bucket_bytes``; 1 MiB, as DDP's first bucket): the first gradients'
-            reduction starts early, while the rest of backward runs.
-        prefetch_bytes: "full" and "grad_op" gather a unit together with the units that
-            run next (in forward, and for "full" in reverse in backward) while they fit
-            in this many bytes, in one all-gather, started while the window before runs;
-            0 gathers each unit on its own.
-        mixed_precision: a ``gs.MixedPrecision`` for every unit, or a function
-            ``(unit_name, unit_module) -> gs.MixedPrecision | None`` for one per unit
-            (e.g. keep norm layers in float32). The shards stay in the parameters' dtype
-            (the optimizer's masters); buffers are not cast.
-        overlap: start collectives asynchronously and wait as late as possible (the
-            next units' all-gather runs while a unit computes, gradient reductions while
-            backward goes on); ``False`` runs each collective where it is needed, for
-            debugging or comparison. Same results either way.
-        param_init_fn: for a model built on the meta device (``with
-            torch.device("meta"):``): ``f(module)`` initializes each module that holds
-            parameters or buffers, after its ``reset_parameters()`` if it has one; the
-            model is materialized and sharded one unit at a time (see
-            ``groupshard.materialize`` for the seeding rule).
+        sync_module_states: broadcast rank 0's parameters and buffers first, as DDP does.
+        reduce_bucket_bytes: gradients wait in a bucket until this many bytes are ready,
+            then go in one reduce-scatter (DDP's buckets); 0 reduces each unit at once.
+        first_bucket_bytes: the limit of each backward's first bucket (DDP's 1 MiB).
+        prefetch_bytes: units that run next are gathered together while they fit in
+            this many bytes ("full", "grad_op"); 0 gathers each unit on its own.
+        mixed_precision: a ``gs.MixedPrecision``, or ``(unit_name, module) ->
+            gs.MixedPrecision | None`` for one per unit; the shards stay the masters.
+        overlap: start collectives asynchronously and wait as late as possible;
+            ``False`` runs each where it is needed. Same results either way.
+        param_init_fn: for a model built on the meta device: ``f(module)`` initializes
+            each module after its ``reset_parameters()``; units are materialized and
+            sharded one at a time (``groupshard.materialize``).
         device: where a meta-built model's shards go (default: the current CUDA device
-            with NCCL, else the CPU). A model with real parameters stays where it is.
+            with NCCL, else the CPU).
 
     Returns:
-        The same module object, now also a ``ShardedModule``.
+        The same module object, now also a ``ShardedModule``. docs/usage.md has the
+        details: buckets, windows and overlap in docs/overlap.md.
     """
     ranks = comm.resolve_ranks(process_group)
     error: BaseException | None = None
     try:
-        if strategy not in STRATEGIES:
-            raise ValueError(f"Expects strategy in {STRATEGIES} but got {strategy=}")
-        if not isinstance(overlap, bool):
-            raise TypeError(f"Expects overlap to be a bool but got {overlap!r}")
-        if min(reduce_bucket_bytes, first_bucket_bytes, prefetch_bytes) < 0:
-            raise ValueError(
-                f"Expects reduce_bucket_bytes, first_bucket_bytes, prefetch_bytes >= 0 but "
-                f"got {reduce_bucket_bytes=}, {first_bucket_bytes=}, {prefetch_bytes=}"
-            )
+        options = ShardOptions(
+            strategy=strategy,
+            reduce_bucket_bytes=reduce_bucket_bytes,
+            first_bucket_bytes=first_bucket_bytes,
+            prefetch_bytes=prefetch_bytes,
+            overlap=overlap,
+            sync_module_states=sync_module_states,
+        )
         if isinstance(model, ShardedModule):
             raise ValueError("This model is already sharded by groupshard.")
         groups = resolve_groups(model, param_groups, default_group)
@@ -495,20 +404,12 @@ def shard(
     except Exception as caught:  # every rank must hear of any failure
         error = caught
     comm.raise_if_any_failed(error, ranks)
-    runtime_options = {
-        "strategy": strategy,
-        "reduce_bucket_bytes": reduce_bucket_bytes,
-        "first_bucket_bytes": first_bucket_bytes,
-        "prefetch_bytes": prefetch_bytes,
-        "overlap": overlap,
-    }
-    options = {
-        **runtime_options,
-        "sync_module_states": sync_module_states,
+    signature = {
+        **options.signature(),
         "mixed_precision": {name: repr(policy) for name, policy in policies.items() if policy},
         "built on the meta device": target is not None,
     }
-    _check_same_structure(_signature(groups, layouts, model, options), ranks)
+    _check_same_structure(_signature(groups, layouts, model, signature), ranks)
     materialize = (
         functools.partial(
             materialize_unit,
@@ -523,41 +424,30 @@ def shard(
         if target is not None
         else None
     )
-    state = _build_state(
-        model,
-        groups,
-        plan,
-        layouts,
-        params,
-        ranks,
-        runtime_options,
-        sync_module_states,
-        policies,
-        materialize,
-    )
-    model.groupshard = state  # type: ignore[assignment]
+    units = _shard_units(model, plan, layouts, params, ranks, options, policies, materialize)
+    runtime = ShardedRuntime(units, options)
+    runtime.register_hooks()
+    model.groupshard = ShardingState(groups, plan, runtime, params, ranks)  # type: ignore[assignment]
     cls = model.__class__
     model.__class__ = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {})
     return model  # type: ignore[return-value]
 
 
-def _build_state(
+def _shard_units(
     model: nn.Module,
-    groups: ResolvedGroups,
     plan: UnitPlan,
     layouts: dict[str, list[StorageLayout]],
     params: dict[str, nn.Parameter],
     ranks: comm.Ranks,
-    runtime_options: dict[str, Any],
-    sync_module_states: bool,
+    options: ShardOptions,
     policies: Mapping[str, MixedPrecision | None],
     materialize: Callable[[str], tuple[list[torch.Tensor], dict[torch.dtype, torch.Tensor]]]
     | None = None,
-) -> ShardingState:
+) -> list[UnitRuntime]:
     """Shard unit by unit; ``materialize(unit_name)`` first gives a meta-built unit real,
     initialized parameters and buffers (then freed as soon as the unit is sharded)."""
     modules = dict(model.named_modules())
-    if sync_module_states and materialize is None:
+    if options.sync_module_states and materialize is None:
         for buffer in model.buffers():
             comm.broadcast(buffer.data, ranks)
     units = []
@@ -566,7 +456,7 @@ def _build_state(
         if materialize is not None:
             buffers, flats = materialize(name)
             for buffer in buffers:
-                if sync_module_states:
+                if options.sync_module_states:
                     comm.broadcast(buffer.data, ranks)
         policy = policies[name] or MixedPrecision()
         storages = [
@@ -574,7 +464,7 @@ def _build_state(
                 layout,
                 ranks,
                 params,
-                sync_module_states,
+                options.sync_module_states,
                 compute_dtype=policy.compute_dtype(layout.dtype),
                 reduce_dtype=policy.gradient_dtype(layout.dtype),
                 unsharded=flats.get(layout.dtype),
@@ -589,15 +479,13 @@ def _build_state(
             for module, attr in registrations:
                 del module._parameters[attr]
         for storage in unit.storages:
-            _register_shards(unit.module, storage)
+            register_shards(unit.module, storage)
         unit.install_local_pieces()  # frees the unit's full parameters
         units.append(unit)
         if materialize is not None:
             del flats
             release_free_memory()
-    runtime = ShardedRuntime(units, **runtime_options)
-    runtime.register_hooks()
-    return ShardingState(groups, plan, runtime, params, ranks)
+    return units
 
 
 def _target_device(device: torch.device | str | None, ranks: comm.Ranks) -> torch.device:

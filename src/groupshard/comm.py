@@ -28,9 +28,9 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 GLOO_EMULATION = {"enabled": True}
-"""On gloo, gather with broadcasts and reduce with an all-reduce (measured 9x and 4x faster
-than gloo's all_gather_into_tensor and reduce_scatter_tensor on CPU, 2 ranks, 16 MB, sync
-or async); tests turn it off to run the native collectives NCCL uses."""
+"""On gloo, gather with broadcasts and reduce with an all-reduce (faster on CPU than gloo's
+all_gather_into_tensor and reduce_scatter_tensor: benchmarks/README.md); tests turn it off
+to run the native collectives NCCL uses."""
 
 
 @dataclass

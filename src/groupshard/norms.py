@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from groupshard import comm
-from groupshard.flat import ShardSegments, segments_of
+from groupshard.segments import ShardSegments, segments_of
+from groupshard.sharding import is_sharded
 
 ACCUMULATE = torch.float64
 
@@ -201,9 +202,7 @@ def scale_by_parameter_(
 
 
 def _model_shards(model: nn.Module) -> list[nn.Parameter]:
-    from groupshard.api import ShardedModule
-
-    if not isinstance(model, ShardedModule):
+    if not is_sharded(model):
         raise TypeError(f"Expects a model returned by gs.shard but got {type(model).__name__}")
     return [shard for storage in model.groupshard.storages for shard in storage.shards]
 

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from groupshard import comm
-from groupshard.api import ShardedModule
-from groupshard.flat import note_parameters_written
+from groupshard.sharding import sharding_state
+from groupshard.writes import note_parameters_written
 
 INDEX_FILE = "model.safetensors.index.json"
 DTYPE_CODES = {
@@ -105,7 +105,7 @@ class _Reader:
         return rows.reshape(-1)[start : start + last - first]
 
 
-def _names(model: ShardedModule) -> tuple[dict[str, list[str]], dict[str, torch.Tensor]]:
+def _names(model: nn.Module) -> tuple[dict[str, list[str]], dict[str, torch.Tensor]]:
     """Per parameter FQN its names (tied ones have several); the persistent buffers."""
     state = model.groupshard
     names = {
@@ -120,7 +120,7 @@ def _names(model: ShardedModule) -> tuple[dict[str, list[str]], dict[str, torch.
     return names, buffers
 
 
-def _plan_reads(model: ShardedModule, reader: _Reader) -> tuple[dict[str, str], list[str]]:
+def _plan_reads(model: nn.Module, reader: _Reader) -> tuple[dict[str, str], list[str]]:
     """The file's name for each parameter FQN, and what does not match (names, shapes)."""
     names, buffers = _names(model)
     shapes = {
@@ -156,14 +156,14 @@ def _plan_reads(model: ShardedModule, reader: _Reader) -> tuple[dict[str, str], 
 
 
 @torch.no_grad()
-def load_safetensors(model: ShardedModule, path: str | os.PathLike) -> int:
+def load_safetensors(model: nn.Module, path: str | os.PathLike) -> int:
     """Read each rank's slices of a safetensors checkpoint into its shards (and the
     persistent buffers the file holds into the model); returns the bytes this rank read.
 
     Every parameter must be in the file (under any of its names, for tied ones) with its
     shape; an entry the model does not have is an error, on every rank.
     """
-    state = model.groupshard
+    state = sharding_state(model, "load_safetensors")
     error: BaseException | None = None
     bytes_read = 0
     try:
@@ -199,7 +199,7 @@ def load_safetensors(model: ShardedModule, path: str | os.PathLike) -> int:
     return bytes_read
 
 
-def _entries(model: ShardedModule) -> Iterator[tuple[str, torch.Size, torch.dtype]]:
+def _entries(model: nn.Module) -> Iterator[tuple[str, torch.Size, torch.dtype]]:
     """What the file holds, in file order: each parameter once (under its FQN), in unit
     and layout order, then the persistent buffers."""
     for storage in model.groupshard.storages:
@@ -210,7 +210,7 @@ def _entries(model: ShardedModule) -> Iterator[tuple[str, torch.Size, torch.dtyp
         yield name, tensor.shape, tensor.dtype
 
 
-def _header(model: ShardedModule) -> bytes:
+def _header(model: nn.Module) -> bytes:
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, shape, dtype in _entries(model):
@@ -234,7 +234,7 @@ class _Writer:
     """Rank 0's file; the first error stops the writing (the ranks still gather every
     unit, so none waits in a collective) and is raised on every rank at the end."""
 
-    def __init__(self, temporary: Path, model: ShardedModule) -> None:
+    def __init__(self, temporary: Path, model: nn.Module) -> None:
         self.temporary = temporary
         self.error: BaseException | None = None
         self.file: Any = None
@@ -265,11 +265,11 @@ class _Writer:
 
 
 @torch.no_grad()
-def save_safetensors(model: ShardedModule, path: str | os.PathLike) -> None:
+def save_safetensors(model: nn.Module, path: str | os.PathLike) -> None:
     """Write the unsharded model to one safetensors file (parameters under their FQNs,
     tied ones once, and the persistent buffers), unit by unit. A collective: every rank
     calls it; rank 0 writes ``path`` (atomically: a temporary file renamed at the end)."""
-    state = model.groupshard
+    state = sharding_state(model, "save_safetensors")
     writer = _Writer(Path(f"{path}.tmp{os.getpid()}"), model) if state.ranks.rank == 0 else None
     for storage in state.storages:
         params = storage.gather_params()  # one unit's parameters at a time

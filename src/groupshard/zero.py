@@ -27,11 +27,12 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from groupshard import comm, flatstate
-from groupshard.flat import SEGMENTS_ATTR, ShardSegments
+from groupshard import comm, flatten
+from groupshard.flatten import plain_optimizer_state
+from groupshard.gradients import preserve_segments
 from groupshard.layout import Segment, build_flat_buffer
 from groupshard.optim.common import evaluate_closure
-from groupshard.optimstate import plain_optimizer_state
+from groupshard.segments import ShardSegments, attach_segments
 
 
 def _param_name(group_index: int, position: int) -> str:
@@ -163,12 +164,12 @@ class _Bucket:
              for i, p in zip(positions, params, strict=True)],
             ranks.size,
         )  # fmt: skip
-        flat = flatstate.flatten([p.detach() for p in params], self.layout)
+        flat = flatten.flatten([p.detach() for p in params], self.layout)
         start, end = self.layout.shard_range(ranks.rank)
         self.flat = flat if as_view else None  # 1D, padded; the parameters view it
         self.views: list[torch.Tensor] = []
         if as_view:
-            self.views = flatstate.split(flat, self.layout)
+            self.views = flatten.split(flat, self.layout)
             with torch.no_grad():
                 for param, view in zip(params, self.views, strict=True):
                     param.data = view
@@ -177,7 +178,7 @@ class _Bucket:
             self.shard = nn.Parameter(flat[start:end].clone())
         self.grad_buffer: torch.Tensor | None = None
         self.segments = ShardSegments(self.layout, ranks.rank, ranks, False, flat.device)
-        setattr(self.shard, SEGMENTS_ATTR, self.segments)
+        attach_segments(self.shard, self.segments)
 
     def _shard_piece(self, segment: Segment) -> torch.Tensor:
         return self.shard.detach()[segment.shard_offset : segment.shard_offset + segment.numel]
@@ -224,8 +225,8 @@ class _Bucket:
     def load_shard_gradient(self) -> None:
         """This rank's slice of the parameters' gradients (missing ones as zero, their
         segments are then kept unchanged across the step), copied into one buffer kept
-        between steps (1/N of the gradient bytes; allocating it afresh every step made
-        the copy 60 % slower on CPU)."""
+        between steps (1/N of the gradient bytes; allocating it afresh every step is
+        slower)."""
         if all(p.grad is None for p in self.params):
             self.shard.grad = None
             return
@@ -256,7 +257,7 @@ class _Bucket:
         flat = self.shard.new_empty(self.layout.padded_numel)
         comm.all_gather(flat, self.shard.detach(), self.ranks)
         with torch.no_grad():
-            torch._foreach_copy_([p.data for p in self.params], flatstate.split(flat, self.layout))
+            torch._foreach_copy_([p.data for p in self.params], flatten.split(flat, self.layout))
 
 
 class _ZeroJoinHook(JoinHook):
@@ -481,7 +482,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
             ranges = bucket.ranges_without_gradient() if bucket.shard.grad is not None else []
             if ranges:
                 state = self.optim.state[bucket.shard]  # the dict the optimizer fills
-                restores.append(flatstate.preserve_segments(bucket.shard, state, ranges))
+                restores.append(preserve_segments(bucket.shard, state, ranges))
         return restores
 
     def _local_closure(
@@ -566,7 +567,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
             names = []
             for bucket in buckets:
                 local = self.optim.state.get(bucket.shard, {})
-                entries = flatstate.gather_shard_state(
+                entries = flatten.gather_shard_state(
                     local, bucket.shard, bucket.layout, self.ranks, replicated=False
                 )
                 bucket_names = [slot.fqn for slot in bucket.layout.params]
@@ -613,5 +614,5 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                         f"The state dict has no state for {', '.join(missing)} but has state for "
                         "other parameters stepped with them; expects all or none"
                     )
-                local = flatstate.shard_state_from(entries, bucket.shard, bucket.layout, self.rank)
+                local = flatten.shard_state_from(entries, bucket.shard, bucket.layout, self.rank)
                 self.optim.state[bucket.shard] = local

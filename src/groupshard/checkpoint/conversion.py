@@ -12,7 +12,7 @@ import torch
 from groupshard.checkpoint import codec, folders
 from groupshard.checkpoint.planner import Piece
 from groupshard.checkpoint.sharded import check_storage, read_pieces
-from groupshard.optimstate import plain_optimizer_state
+from groupshard.flatten import plain_optimizer_state
 
 
 def _whole(shape: list[int], dtype: Any) -> Piece:

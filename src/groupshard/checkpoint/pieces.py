@@ -41,12 +41,13 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from groupshard import comm, flatstate
+from groupshard import comm, flatten
 from groupshard.api import ShardedModule
 from groupshard.checkpoint import codec
 from groupshard.checkpoint.planner import Piece
-from groupshard.flat import ShardSegments, note_parameters_written, segments_of
-from groupshard.statedict import check_optimizer
+from groupshard.full_state import check_optimizer
+from groupshard.segments import ShardSegments, segments_of
+from groupshard.writes import note_parameters_written
 from groupshard.zero import ZeroRedundancyOptimizer
 
 
@@ -113,7 +114,7 @@ def optimizer_pieces(
     for part in slices:
         for key, value in part.states.get(part.shard, {}).items():
             names = [f"optim.{fqn}.{key}" for fqn in part.fqns]
-            if flatstate.is_per_element(value, part.shard):
+            if flatten.is_per_element(value, part.shard):
                 pieces.update(flat_pieces(value.detach(), part.segments, names))
                 kind = {"kind": "per_element", "dtype": codec.dtype_name(value.dtype)}
             elif isinstance(value, torch.Tensor):  # the same on every rank: written once

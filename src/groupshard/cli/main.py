@@ -97,7 +97,7 @@ def _parser() -> argparse.ArgumentParser:
         "--precision", choices=PRECISIONS, default=DEFAULT_PRECISION,
         help="bf16: units gathered and computed in bfloat16, gradients reduced in float32 "
         "into the float32 shards the optimizer steps (the loss in float32 either way); not "
-        "with --zero. fp32 is the default as bf16 took 1.3x its time for the default run "
+        "with --zero. fp32 is the default as bf16 was slower for the default run "
         "on a 2-core CPU with AVX512-BF16 (CPU bf16 speed depends on AVX512-BF16/AMX "
         "support and on the model's sizes)",
     )  # fmt: skip

@@ -1,66 +1,13 @@
 """Muon for 2-D hidden weights and AdamW for the rest, in one optimizer, exact on flat shards.
 
-Note: the math
-    ``torch.optim.Muon``'s (torch 2.9+), operation for operation: per matrix
-    ``B.lerp_(g, 1 - momentum)``; ``U = g.lerp(B, momentum)`` (nesterov) or ``B``;
-    ``O = NS(U)``: five quintic Newton-Schulz steps with coefficients (3.4445, -4.7750,
-    2.0315) in bfloat16 on ``U / max(||U||, eps)`` (transposed when tall); then
-    ``W *= 1 - lr * weight_decay`` and ``W -= adjusted_lr * O`` with ``adjust_lr_fn``
-    ("original": ``lr * sqrt(max(1, rows / cols))``, "match_rms_adamw":
-    ``0.2 * lr * sqrt(max(rows, cols))``). Groups with ``use_muon=False`` run
-    ``torch.optim.AdamW``'s own functional (``torch.optim.adamw.adamw``) with AdamW's
-    group keys, so one optimizer, one ``optimizer_groups()`` call and one LR scheduler
-    drive both. Everything but Newton-Schulz is element-wise, so it runs on each rank's
-    shard as it is; the results equal torch's bit for bit (tests/test_muon.py).
-
-Note: ownership and communication (sharded parameters)
-    Newton-Schulz needs a whole matrix. Every matrix held in sharded parameters (a 2-D
-    slot of a shard's segment map; ``gs.shard`` shards and ``gs.ZeroRedundancyOptimizer``
-    slices alike) gets one *owner* rank, balanced by its Newton-Schulz cost
-    ``rows * cols * min(rows, cols)`` (greedy: largest first to the least loaded rank,
-    ties by matrix order and rank), computed the same on every rank from the layout, never
-    communicated or saved. Per ``step()`` and process group, after the element-wise
-    momentum update on the local shards:
-
-    1. one ``all_to_all``: each rank sends its pieces of every matrix to the matrix's owner,
-       in bfloat16 (Newton-Schulz starts with ``U.bfloat16()``, so casting before sending
-       changes no bit); it runs asynchronously while the AdamW groups step;
-    2. each owner assembles its matrices (concatenating the pieces in rank order gives the
-       flattened matrix), orthogonalizes them one at a time, and writes each result over
-       the received pieces;
-    3. one ``all_to_all`` back: each rank receives its slices of every orthogonalized
-       matrix and applies weight decay and the update to its shard. While it runs, each
-       rank orthogonalizes and applies the matrices it owns and holds whole ("solo":
-       no other rank holds a piece) from its own update.
-
-    Volume per step, per rank r (bfloat16, 2 bytes an element): the first all-to-all
-    sends ``S_r`` = the elements of r's shards that belong to matrices owned by other
-    ranks and receives ``R_r`` = the elements of r's owned matrices held by other ranks;
-    the second sends ``R_r`` and receives ``S_r``. So r sends ``2 * (S_r + R_r)`` bytes per
-    step and receives as many. Over all ranks ``sum S_r = sum R_r = sum over matrices of
-    (numel - the owner's own piece)``, about ``M (N - 1) / N`` for ``M`` Muon elements on
-    ``N`` ranks, so per rank about ``4 M (N - 1) / N**2`` bytes sent per step: 1/N of what
-    the fp32 reduce-scatter of those gradients moves (``4 M (N - 1) / N``).
-    ``ownership()`` reports the exact counts. Two collectives per step and process group,
-    whatever the number of matrices or groups (plus one ``gather_objects`` at the first
-    step, checking that every rank holds the same matrices). Parameters held whole on
-    every rank (plain tensors, ``strategy="no_shard"``, one rank) are orthogonalized
-    locally without communication, as torch.optim.Muon would.
-
-    Memory beyond the shards, per rank and step: the send buffer (``S_r`` plus r's pieces
-    of its own matrices, bfloat16: half the bytes of r's fp32 Muon shards) and the receive
-    buffer (every matrix r owns, whole, in bfloat16: ``2 * O_r`` bytes for ``O_r`` owned
-    elements), both reused for the return trip, plus one matrix's Newton-Schulz
-    temporaries at a time (the matrix and ~3 more of its size, and two ``min(rows,
-    cols)**2`` Gram matrices, bfloat16). All owned matrices are held at once because one
-    collective carries them all; sending them one collective per matrix would hold one at
-    a time but cost a collective per matrix.
-
-State: ``momentum_buffer`` (Muon groups, as torch.optim.Muon) and ``step``, ``exp_avg``,
-``exp_avg_sq`` (+ ``max_exp_avg_sq``) (AdamW groups, as torch.optim.AdamW), per-element
-state laid out like each parameter (a shard's state is a 1-D tensor shaped like the
-shard), so ``gs.optim_state_dict``, ``gs.load_optim_state_dict``, the ZeRO optimizer's
-state dicts and ``gs.checkpoint`` handle it like any torch optimizer's.
+``torch.optim.Muon``'s math operation for operation (and ``torch.optim.AdamW``'s functional
+for groups with ``use_muon=False``), bit for bit equal to torch's. Newton-Schulz needs a
+whole matrix: every matrix held in sharded parameters gets one owner rank, balanced by its
+Newton-Schulz cost; per step one ``all_to_all`` sends the pieces to their owners (while the
+AdamW groups step) and one sends the orthogonalized results back. State is torch's
+(``momentum_buffer``; ``step``, ``exp_avg``, ``exp_avg_sq``), per element and laid out like
+each shard, so state dicts and checkpoints handle it like any torch optimizer's.
+docs/muon-design.md has the design: ownership, volume and memory per step.
 """
 
 from __future__ import annotations
@@ -76,8 +23,8 @@ import torch
 from torch.optim.adamw import adamw as adamw_functional
 
 from groupshard import comm
-from groupshard.flat import ShardSegments, segments_of
 from groupshard.optim.common import evaluate_closure
+from groupshard.segments import ShardSegments, segments_of
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 """Keller Jordan's quintic coefficients, as torch.optim.Muon's defaults."""

@@ -15,20 +15,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from groupshard import comm, flatstate
-from groupshard.api import ShardedModule, ShardingState, originals_installed
-from groupshard.flat import note_parameters_written, segments_of
-from groupshard.optimstate import plain_optimizer_state
-
-
-def _state_of(model: nn.Module, what: str) -> ShardingState:
-    if not isinstance(model, ShardedModule):
-        raise TypeError(f"{what} expects a model returned by gs.shard, got {type(model).__name__}")
-    return model.groupshard
+from groupshard import comm, flatten
+from groupshard.flatten import plain_optimizer_state
+from groupshard.safetensors_io import load_safetensors
+from groupshard.segments import segments_of
+from groupshard.sharding import ShardingState, originals_installed, sharding_state
+from groupshard.writes import note_parameters_written
 
 
 def full_state_dict(
-    model: ShardedModule, rank0_only: bool = False, cpu_offload: bool = False
+    model: nn.Module, rank0_only: bool = False, cpu_offload: bool = False
 ) -> dict[str, torch.Tensor]:
     """The unsharded model's state dict: original names and shapes, buffers included.
 
@@ -36,7 +32,7 @@ def full_state_dict(
         rank0_only: only group rank 0 keeps the result; the others return ``{}``.
         cpu_offload: move every tensor to the CPU as it is gathered.
     """
-    state = _state_of(model, "full_state_dict")
+    state = sharding_state(model, "full_state_dict")
     keep = not rank0_only or state.ranks.rank == 0
     gathered: dict[str, torch.Tensor] = {}
     for storage in state.storages:
@@ -56,7 +52,7 @@ def full_state_dict(
     return dict(result)
 
 
-def _expected_entries(model: ShardedModule) -> dict[str, tuple[str | None, torch.Size]]:
+def _expected_entries(model: nn.Module) -> dict[str, tuple[str | None, torch.Size]]:
     """Every key of the unsharded state dict -> (canonical FQN or None for buffers, shape)."""
     state = model.groupshard
     entries: dict[str, tuple[str | None, torch.Size]] = {}
@@ -106,7 +102,7 @@ def _check_model_state_dict(
 
 @torch.no_grad()
 def load_full_state_dict(
-    model: ShardedModule,
+    model: nn.Module,
     source: Mapping[str, torch.Tensor] | str | os.PathLike,
     broadcast_from_rank0: bool = False,
 ) -> int | None:
@@ -120,10 +116,8 @@ def load_full_state_dict(
       rank reads only the rows its shards hold (``groupshard.safetensors_io``) and the
       bytes it read are returned.
     """
-    state = _state_of(model, "load_full_state_dict")
+    state = sharding_state(model, "load_full_state_dict")
     if isinstance(source, (str, os.PathLike)):
-        from groupshard.safetensors_io import load_safetensors
-
         return load_safetensors(model, source)
     if not isinstance(source, Mapping):
         raise TypeError(
@@ -140,7 +134,7 @@ def load_full_state_dict(
     for storage in state.storages:
         for shard, buffer in zip(storage.shards, storage.layout.buffers, strict=True):
             values = [by_fqn[slot.fqn] for slot in buffer.params]
-            shard.copy_(flatstate.shard_of(values, buffer, storage.shard_rank, shard))
+            shard.copy_(flatten.shard_of(values, buffer, storage.shard_rank, shard))
     note_parameters_written()
     buffers = dict(model.named_buffers())
     for name, (fqn, _) in expected.items():
@@ -149,7 +143,7 @@ def load_full_state_dict(
     return None
 
 
-def _load_from_rank0(model: ShardedModule, state_dict: Mapping[str, torch.Tensor]) -> None:
+def _load_from_rank0(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
     """Rank 0 checks and flattens each buffer of ``state_dict``; one broadcast per flat
     buffer and model buffer gives every rank its slices."""
     state = model.groupshard
@@ -170,7 +164,7 @@ def _load_from_rank0(model: ShardedModule, state_dict: Mapping[str, torch.Tensor
         for shard, buffer in zip(storage.shards, storage.layout.buffers, strict=True):
             if state.ranks.rank == 0:
                 values = [by_fqn[slot.fqn].to(shard.device, shard.dtype) for slot in buffer.params]
-                flat = flatstate.flatten(values, buffer)
+                flat = flatten.flatten(values, buffer)
             else:
                 flat = shard.new_empty(buffer.padded_numel)
             comm.broadcast(flat, state.ranks)
@@ -185,8 +179,8 @@ def _load_from_rank0(model: ShardedModule, state_dict: Mapping[str, torch.Tensor
             comm.broadcast(buffers[name].data, state.ranks)
 
 
-def check_optimizer(model: ShardedModule, optimizer: torch.optim.Optimizer) -> ShardingState:
-    state = _state_of(model, "optimizer state dicts")
+def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> ShardingState:
+    state = sharding_state(model, "optimizer state dicts")
     groups = state.groups.groups
     if len(optimizer.param_groups) != len(groups):
         raise ValueError(
@@ -203,7 +197,7 @@ def check_optimizer(model: ShardedModule, optimizer: torch.optim.Optimizer) -> S
     return state
 
 
-def optim_state_dict(model: ShardedModule, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's state in plain torch.optim format on the unsharded model.
 
     State is keyed by the index of each original parameter in the user's groups (as
@@ -216,7 +210,7 @@ def optim_state_dict(model: ShardedModule, optimizer: torch.optim.Optimizer) -> 
         for shard in group["params"]:
             segments = segments_of(shard)
             assert segments is not None
-            entries = flatstate.gather_shard_state(
+            entries = flatten.gather_shard_state(
                 optimizer.state.get(shard, {}), shard, segments.buffer, segments.ranks,
                 segments.replicated,
             )  # fmt: skip
@@ -229,7 +223,7 @@ def optim_state_dict(model: ShardedModule, optimizer: torch.optim.Optimizer) -> 
 
 
 def load_optim_state_dict(
-    model: ShardedModule, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
+    model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
 ) -> None:
     """Load a plain torch.optim state dict (per original parameter) into the sharded optimizer."""
     state = check_optimizer(model, optimizer)
@@ -259,6 +253,6 @@ def load_optim_state_dict(
                     f"The optimizer state dict has no state for {absent} but has state for "
                     f"other parameters of param group {resolved.index}; expects all or none"
                 )
-            optimizer.state[shard] = flatstate.shard_state_from(
+            optimizer.state[shard] = flatten.shard_state_from(
                 entries, shard, segments.buffer, segments.shard_rank
             )

@@ -1,4 +1,4 @@
-"""The tensors of one storage: local shards, and unsharded buffers while gathered.
+"""The storage of one (unit, dtype): its local shards, and its unsharded buffers while gathered.
 
 Note: FSDP-style tensor vocabulary
     ``local``: this rank's shards of every flat buffer of the storage, end to end,
@@ -21,113 +21,17 @@ Note: mixed precision
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
 from functools import cached_property
 
 import torch
 from torch import nn
 
-from groupshard import comm, flatstate
-from groupshard.layout import FlatBufferLayout, Segment, StorageLayout
-
-SEGMENTS_ATTR = "groupshard_segments"
-SKIP_ATTR = "groupshard_skip"
-
-_parameter_writes = [0]
-
-
-def parameter_writes() -> int:
-    """How many times shards may have been written (optimizer steps, loads) so far."""
-    return _parameter_writes[0]
-
-
-def note_parameters_written() -> None:
-    """Gathered copies made before now are stale: regather before the next use."""
-    _parameter_writes[0] += 1
-
-
-@dataclass(frozen=True)
-class ShardSegments:
-    """How one shard parameter maps onto the original parameters.
-
-    Attached to every shard as ``shard.groupshard_segments``, so norm code and
-    layer-wise optimizers can reduce per original parameter (or per row) over the
-    flat shard. ``needs_reduce`` is False when this rank holds the whole buffer.
-    """
-
-    buffer: FlatBufferLayout
-    shard_rank: int
-    ranks: comm.Ranks
-    replicated: bool
-    device: torch.device
-
-    @property
-    def needs_reduce(self) -> bool:
-        return not self.replicated and self.ranks.size > 1
-
-    @property
-    def fqns(self) -> tuple[str, ...]:
-        return tuple(slot.fqn for slot in self.buffer.params)
-
-    @property
-    def num_rows(self) -> int:
-        return sum(self.buffer.row_counts())
-
-    @cached_property
-    def pieces(self) -> tuple[Segment, ...]:
-        """The segment map of this shard: consecutive parameter pieces, then padding."""
-        return self.buffer.segments(self.shard_rank)
-
-    @property
-    def padding_numel(self) -> int:
-        return self.buffer.shard_numel - sum(piece.numel for piece in self.pieces)
-
-    @cached_property
-    def first_rows(self) -> tuple[int, ...]:
-        """Index of each parameter's first row among all rows of the buffer."""
-        counts = self.buffer.row_counts()
-        return tuple(sum(counts[:index]) for index in range(len(counts)))
-
-    @cached_property
-    def segment_ids(self) -> torch.Tensor:
-        return self.buffer.segment_ids(self.shard_rank).to(self.device)
-
-    @cached_property
-    def row_ids(self) -> torch.Tensor:
-        return self.buffer.row_ids(self.shard_rank).to(self.device)
-
-
-def segments_of(tensor: torch.Tensor) -> ShardSegments | None:
-    """The segment map of a groupshard shard, or None for a plain tensor."""
-    return getattr(tensor, SEGMENTS_ATTR, None)
-
-
-@dataclass(frozen=True)
-class SkippedSegments:
-    """The parameters of a shard that had no gradient, for its next optimizer step.
-
-    torch.optim leaves a parameter whose ``.grad`` is None untouched; a shard has one
-    gradient for all its parameters, so the step must be told which pieces to leave.
-    ``whole``: no parameter of the flat buffer (on any rank) had a gradient, so the
-    shard is stepped as if its gradient were None. ``ranges``: otherwise, this rank's
-    ``(start, end)`` pieces of the shard to keep. Valid while the shard's gradient is
-    the tensor ``grad`` refers to (a new gradient comes with a new record).
-    """
-
-    grad: weakref.ref[torch.Tensor]
-    whole: bool
-    ranges: tuple[tuple[int, int], ...]
-
-    def applies_to(self, shard: torch.Tensor) -> bool:
-        return shard.grad is not None and self.grad() is shard.grad
-
-
-def skipped_segments_of(tensor: torch.Tensor) -> SkippedSegments | None:
-    """What the next optimizer step must leave alone in a shard, or None."""
-    record = getattr(tensor, SKIP_ATTR, None)
-    return record if record is not None and record.applies_to(tensor) else None
+from groupshard import comm, flatten
+from groupshard.gradients import StorageGradients
+from groupshard.layout import StorageLayout
+from groupshard.segments import ShardSegments, attach_segments
+from groupshard.writes import note_parameters_written, parameter_writes
 
 
 def _free(tensor: torch.Tensor) -> None:
@@ -173,7 +77,7 @@ class FlatStorage:
         ]
         for shard, buffer in zip(self.shards, layout.buffers, strict=True):
             segments = ShardSegments(buffer, self.shard_rank, ranks, self.replicated, device)
-            setattr(shard, SEGMENTS_ATTR, segments)
+            attach_segments(shard, segments)
         trainable, frozen = layout.trainable_unsharded_numel, layout.frozen_unsharded_numel
         if self.aliases_local:
             self.unsharded_trainable = self.local[:trainable].detach()
@@ -190,17 +94,17 @@ class FlatStorage:
         self.gathered_at = -1  # parameter_writes() when last gathered
         self.reshard()
         # The user's original parameters (emptied), whose requires_grad still says frozen.
-        self.trainable_originals = [
-            params[slot.fqn] for b in layout.trainable_buffers for slot in b.params
-        ]
         self.frozen_originals = {
             slot.fqn: params[slot.fqn] for b in layout.frozen_buffers for slot in b.params
         }
-        self.used_in_backward = [False] * len(self.trainable_originals)  # this rank, since synced
-        # this rank's unsharded gradient sum of backwards without gradient sync (reduce_dtype)
-        self.accumulated_grad: torch.Tensor | None = None
-        # per trainable shard, per parameter: had a gradient on some rank since .grad was None
-        self.had_grad = [[False] * len(b.params) for b in layout.trainable_buffers]
+        self.gradients = StorageGradients(
+            layout,
+            self.unsharded_trainable,
+            self.trainable_shards,
+            [params[slot.fqn] for b in layout.trainable_buffers for slot in b.params],
+            self._param_outputs,
+            self.reduce_dtype,
+        )
 
     @torch.no_grad()
     def _fill_local(
@@ -372,8 +276,7 @@ class FlatStorage:
         """The original parameters as views of the unsharded buffers, by FQN.
 
         With ``track_use``, the backward that reaches any trainable view records which
-        ones it reached (``used_in_backward``): autograd passes the split's backward
-        node None for every output that got no gradient, before filling in zeros.
+        ones it reached (``StorageGradients.note_used``).
         ``unsharded``: views of this tensor (``gather_masters()``) instead.
         """
         views: dict[str, torch.Tensor] = {}
@@ -393,7 +296,7 @@ class FlatStorage:
                 views[fqn] = chunk if len(shape) == 1 else chunk.view(shape)
             if track_use and source is self.unsharded_trainable and chunks[0].grad_fn is not None:
                 # one hook per storage and forward, one call per backward
-                chunks[0].grad_fn.register_prehook(self._note_used)
+                chunks[0].grad_fn.register_prehook(self.gradients.note_used)
         return views
 
     @cached_property
@@ -418,106 +321,15 @@ class FlatStorage:
         _, trainable_slots = self._view_plans[0]
         return [position for position, _, _ in trainable_slots]
 
-    def _note_used(self, grads: Sequence[torch.Tensor | None]) -> None:
-        used = self.used_in_backward
-        for index, output in enumerate(self._param_outputs):
-            if grads[output] is not None:
-                used[index] = True
-
-    def frozen_flags(self) -> list[bool]:
-        """Per trainable parameter: frozen since sharding (``requires_grad_(False)`` on the
-        original parameter, or on its shard, e.g. by ``module.requires_grad_(False)``)."""
-        flags = []
-        for shard, buffer in zip(self.trainable_shards, self.layout.trainable_buffers, strict=True):
-            flags.extend(not shard.requires_grad for _ in buffer.params)
-        return [
-            shard_frozen or not original.requires_grad
-            for shard_frozen, original in zip(flags, self.trainable_originals, strict=True)
-        ]
-
-    def take_used(self) -> list[bool]:
-        """This backward's used flags on this rank (frozen parameters count as unused)."""
-        used = [
-            u and not f for u, f in zip(self.used_in_backward, self.frozen_flags(), strict=True)
-        ]
-        self.used_in_backward = [False] * len(used)
-        return used
-
-    def take_unsharded_grad(self) -> torch.Tensor | None:
-        """The gradient autograd accumulated into the unsharded buffer (1D, group-major),
-        zero where a parameter is frozen."""
-        grad = self.unsharded_trainable.grad
-        self.unsharded_trainable.grad = None
-        frozen = self.frozen_flags()
-        if grad is not None and any(frozen):
-            buffers = self.layout.trainable_buffers
-            pieces = [
-                piece
-                for buffer, data in zip(
-                    buffers, grad.split([b.padded_numel for b in buffers]), strict=True
-                )
-                for piece in data.split(buffer.split_sizes)[:-1]
-            ]
-            torch._foreach_zero_([p for p, f in zip(pieces, frozen, strict=True) if f])
-        return grad
-
-    def gradient_to_reduce(self, grad: torch.Tensor, sync: bool) -> torch.Tensor | None:
-        """The unsharded gradient to reduce now, in ``reduce_dtype``, with what backwards
-        without sync accumulated; None (no collective) while ``sync`` is off."""
-        grad = grad.to(self.reduce_dtype)
-        if self.accumulated_grad is not None:
-            grad = self.accumulated_grad.add_(grad)
-            self.accumulated_grad = None
-        if sync:
-            return grad
-        self.accumulated_grad = grad
-        return None
-
-    def take_accumulated_grad(self) -> torch.Tensor | None:
-        """What backwards without sync accumulated and no synced backward reduced yet."""
-        grad, self.accumulated_grad = self.accumulated_grad, None
-        return grad
-
-    def assign_shard_grads(self, sharded_grad: torch.Tensor) -> None:
-        """Give each trainable shard its slice of ``sharded_grad`` (added if it has one),
-        in the shards' dtype."""
-        sizes = [buffer.shard_numel for buffer in self.layout.trainable_buffers]
-        pieces = sharded_grad.to(self.layout.dtype).split(sizes)
-        for index, (shard, piece) in enumerate(zip(self.trainable_shards, pieces, strict=True)):
-            if shard.grad is None:
-                shard.grad = piece
-                self.had_grad[index] = [False] * len(self.had_grad[index])  # start afresh
-            else:
-                shard.grad.add_(piece)
-
-    def add_used(self, used: Sequence[bool]) -> None:
-        """Add a backward's used flags (combined over ranks) and mark, on each shard, the
-        parameters its next optimizer step must leave alone (``SkippedSegments``)."""
-        flags = iter(used)
-        for shard, had in zip(self.trainable_shards, self.had_grad, strict=True):
-            for index in range(len(had)):
-                had[index] = had[index] or next(flags)
-            record = None
-            if shard.grad is not None and not all(had):
-                pieces = segments_of(shard).pieces  # type: ignore[union-attr]
-                ranges = tuple(
-                    (piece.shard_offset, piece.shard_offset + piece.numel)
-                    for piece in pieces
-                    if not had[piece.param_index]
-                )
-                if ranges or not any(had):
-                    record = SkippedSegments(weakref.ref(shard.grad), not any(had), ranges)
-            setattr(shard, SKIP_ATTR, record)
-
     def gather_params(self) -> dict[str, torch.Tensor]:
         """Every parameter of the storage, unsharded, as new tensors (one all-gather per
         flat buffer; the runtime's unsharded buffers are not touched)."""
         params: dict[str, torch.Tensor] = {}
         for shard, buffer in zip(self.shards, self.layout.buffers, strict=True):
-            full = flatstate.unshard(shard, buffer, self.ranks, self.replicated)
+            full = flatten.unshard(shard, buffer, self.ranks, self.replicated)
             params.update(
                 zip(
-                    (slot.fqn for slot in buffer.params), flatstate.split(full, buffer), strict=True
+                    (slot.fqn for slot in buffer.params), flatten.split(full, buffer), strict=True
                 )
             )
         return params
@@ -551,59 +363,3 @@ class FlatStorage:
             start, end = buffer.shard_range(self.shard_rank)
             self.local[slice(*self.layout.local_range(index))].copy_(data[start:end])
 
-
-def reduce_gradients(
-    storages: list[FlatStorage], grads: list[torch.Tensor], async_op: bool = False
-) -> comm.Pending:
-    """Average unsharded gradients over ranks into the storages' shard gradients.
-
-    One reduce-scatter (an all-reduce when replicated) for all groups of all the given
-    storages, which must share ranks and replication, and whose gradients must share a
-    dtype (the reduce dtype): the rank-major scatter input ``(ranks, sum of trainable
-    shard sizes)`` is one ``_chunk_cat`` of every flat buffer's gradient. With
-    ``async_op``, the shards have their gradients after ``wait()``.
-    """
-    ranks = storages[0].ranks
-
-    def assign(flat: torch.Tensor, sizes: list[int]) -> Callable[[], None]:
-        def finish() -> None:
-            for storage, piece in zip(storages, flat.split(sizes), strict=True):
-                storage.assign_shard_grads(piece)
-
-        return finish
-
-    if storages[0].replicated:
-        flat = grads[0] if len(grads) == 1 else torch.cat(grads)
-        sizes = [grad.numel() for grad in grads]
-        return comm.all_reduce_mean(flat, ranks, async_op, assign(flat, sizes))
-    per_buffer = [
-        piece
-        for storage, grad in zip(storages, grads, strict=True)
-        for piece in grad.split([b.padded_numel for b in storage.layout.trainable_buffers])
-    ]
-    if len(per_buffer) == 1:  # rank-major already
-        scatter_input = per_buffer[0]
-    else:
-        scatter_input = torch._chunk_cat(per_buffer, dim=0, num_chunks=ranks.size)
-    sizes = [storage.layout.trainable_shard_numel for storage in storages]
-    flat = grads[0].new_empty(sum(sizes))
-    return comm.reduce_scatter_mean(flat, scatter_input, ranks, async_op, assign(flat, sizes))
-
-
-def unshard_storages(storages: list[FlatStorage], async_op: bool = False) -> comm.Pending:
-    """All-gather several sharded storages (one compute dtype, one process group) in one
-    collective; with ``async_op``, their buffers are complete after ``wait()``."""
-    ranks = storages[0].ranks
-    sizes = [storage.layout.local_numel for storage in storages]
-    local = torch.cat([storage.gather_source() for storage in storages])
-    gathered = local.new_empty(ranks.size * local.numel())
-    for storage in storages:
-        storage.allocate_unsharded()
-
-    def copy_out() -> None:
-        for storage, columns in zip(
-            storages, gathered.view(ranks.size, -1).split(sizes, dim=1), strict=True
-        ):
-            storage.copy_out(columns)
-
-    return comm.all_gather(gathered, local, ranks, async_op, copy_out)

@@ -1,14 +1,15 @@
 """Convert between per-parameter tensors and a rank's slice of a flat buffer.
 
-Used for parameters and for optimizer state alike, by the ZeRO optimizer and by
-the state-dict functions: per-element state (``exp_avg``, momentum buffers...) is
-laid out like its parameter, so it shards with the same layout; scalar state
-(``step``) is one value shared by every parameter of a slice.
+Used for parameters and for optimizer state alike, by the ZeRO optimizer, the state-dict
+functions and checkpoints: per-element state (``exp_avg``, momentum buffers...) is laid out
+like its parameter, so it shards with the same layout; scalar state (``step``) is one value
+shared by every parameter of a slice. ``plain_optimizer_state`` assembles per-parameter
+state into torch.optim's state-dict format.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -55,42 +56,6 @@ def unshard(
 def is_per_element(value: Any, shard: torch.Tensor) -> bool:
     """Whether a shard's state value is laid out like the shard (vs a scalar such as step)."""
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == shard.shape
-
-
-def preserve_segments(
-    shard: torch.Tensor, state: Mapping[str, Any], ranges: Sequence[tuple[int, int]]
-) -> Callable[[], None]:
-    """Keep ``shard[start:end]`` for each (start, end) in ``ranges``, and the same elements of
-    every per-element state tensor of ``state`` (laid out like ``shard``), as copies; the
-    returned function writes them back (after an optimizer step, so parameters without a
-    gradient neither move nor change their state). Scalar state (``step``) is shared by the
-    whole shard and cannot be kept per parameter.
-
-    Per-element state that appears in ``state`` during the step (pass the optimizer's own
-    dict, ``optimizer.state[shard]``, which torch optimizers fill lazily) is zeroed over
-    ``ranges``: torch creates state only at a parameter's first gradient, zero-initialised.
-    """
-    if not ranges:
-        return lambda: None
-    existing = {key for key, value in state.items() if is_per_element(value, shard)}
-    tensors = [shard.detach()] + [state[key].detach() for key in sorted(existing)]
-    targets = [tensor[start:end] for tensor in tensors for start, end in ranges]
-    kept = [torch.empty_like(target) for target in targets]
-    torch._foreach_copy_(kept, targets)
-
-    def restore() -> None:
-        with torch.no_grad():
-            torch._foreach_copy_(targets, kept)
-            created = [
-                value.detach()[start:end]
-                for key, value in state.items()
-                if key not in existing and is_per_element(value, shard)
-                for start, end in ranges
-            ]
-            if created:
-                torch._foreach_zero_(created)
-
-    return restore
 
 
 def is_per_parameter(key: str, values: list[Any], shapes: list[torch.Size]) -> bool:
@@ -174,3 +139,22 @@ def shard_state_from(
             _check_one_scalar(key, values, buffer)
             state[key] = first.clone() if isinstance(first, torch.Tensor) else first
     return state
+
+
+def plain_optimizer_state(
+    groups: list[tuple[Sequence[str], dict[str, Any]]], per_fqn: Mapping[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """torch.optim's state-dict format from ``(listed FQNs, hyperparameters)`` per group and
+    each parameter's state: parameters are numbered across groups in the listed order, as
+    a torch optimizer built with those groups numbers them; ones without state are left out.
+    """
+    result: dict[str, Any] = {"state": {}, "param_groups": []}
+    index = 0
+    for listed, hyperparameters in groups:
+        indices = list(range(index, index + len(listed)))
+        for position, fqn in zip(indices, listed, strict=True):
+            if per_fqn.get(fqn):
+                result["state"][position] = per_fqn[fqn]
+        result["param_groups"].append({**hyperparameters, "params": indices})
+        index += len(indices)
+    return result

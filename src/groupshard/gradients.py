@@ -1,0 +1,291 @@
+"""Gradients of one storage, and parameters without a gradient.
+
+A storage's trainable parameters are views of one unsharded leaf, so autograd delivers a
+unit's whole gradient as one flat tensor, with zeros for the parameters a backward did not
+reach. torch.optim leaves a parameter whose ``.grad`` is None alone; to do the same for a
+piece of a flat shard:
+
+- each forward hooks the parameter views, so the backward notes which ones it reached
+  (``StorageGradients.used_in_backward``);
+- the end of a synced backward combines the ranks' flags (a parameter used on any rank has
+  a gradient, as in DDP) into ``had_grad`` and marks each shard with the pieces its next
+  optimizer step must leave alone (``SkippedSegments``);
+- a global optimizer-step hook keeps those pieces' values and per-element state
+  (``preserve_segments``) for any torch optimizer, and refuses a step while gradients of
+  backwards without sync wait to be reduced.
+
+Gradient accumulation: while gradient sync is off, a backward adds the storage's unsharded
+gradient to a local sum (``reduce_dtype``); the next synced backward reduces it once.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+from groupshard.flatten import is_per_element
+from groupshard.layout import StorageLayout
+from groupshard.segments import segments_of
+from groupshard.writes import note_parameters_written
+
+SKIP_ATTR = "groupshard_skip"
+
+
+@dataclass(frozen=True)
+class SkippedSegments:
+    """The parameters of a shard that had no gradient, for its next optimizer step.
+
+    ``whole``: no parameter of the flat buffer (on any rank) had a gradient, so the shard
+    is stepped as if its gradient were None. ``ranges``: otherwise, this rank's
+    ``(start, end)`` pieces of the shard to keep. Valid while the shard's gradient is the
+    tensor ``grad`` refers to (a new gradient comes with a new record).
+    """
+
+    grad: weakref.ref[torch.Tensor]
+    whole: bool
+    ranges: tuple[tuple[int, int], ...]
+
+    def applies_to(self, shard: torch.Tensor) -> bool:
+        return shard.grad is not None and self.grad() is shard.grad
+
+
+def skipped_segments_of(tensor: torch.Tensor) -> SkippedSegments | None:
+    """What the next optimizer step must leave alone in a shard, or None."""
+    record = getattr(tensor, SKIP_ATTR, None)
+    return record if record is not None and record.applies_to(tensor) else None
+
+
+class StorageGradients:
+    """The gradient bookkeeping of one storage (its trainable flat buffers)."""
+
+    def __init__(
+        self,
+        layout: StorageLayout,
+        unsharded: torch.Tensor,
+        shards: Sequence[nn.Parameter],
+        originals: Sequence[torch.Tensor],
+        output_positions: Sequence[int],
+        reduce_dtype: torch.dtype,
+    ) -> None:
+        self.layout = layout
+        self.unsharded = unsharded  # the leaf autograd accumulates into (1D, group-major)
+        self.shards = list(shards)  # the trainable shards, in layout order
+        self.originals = list(originals)  # the user's parameters; requires_grad says frozen
+        self.output_positions = list(output_positions)  # each parameter's piece among the views
+        self.reduce_dtype = reduce_dtype
+        self.used_in_backward = [False] * len(self.originals)  # this rank, since synced
+        self.accumulated: torch.Tensor | None = None  # sum of backwards without sync (1D)
+        # per trainable shard, per parameter: had a gradient on some rank since .grad was None
+        self.had_grad = [[False] * len(b.params) for b in layout.trainable_buffers]
+
+    def note_used(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """Backward hook of the views' split: autograd passes None for every output that
+        got no gradient, before filling in zeros."""
+        used = self.used_in_backward
+        for index, output in enumerate(self.output_positions):
+            if grads[output] is not None:
+                used[index] = True
+
+    def frozen_flags(self) -> list[bool]:
+        """Per trainable parameter: frozen since sharding (``requires_grad_(False)`` on the
+        original parameter, or on its shard, e.g. by ``module.requires_grad_(False)``)."""
+        flags = []
+        for shard, buffer in zip(self.shards, self.layout.trainable_buffers, strict=True):
+            flags.extend(not shard.requires_grad for _ in buffer.params)
+        return [
+            shard_frozen or not original.requires_grad
+            for shard_frozen, original in zip(flags, self.originals, strict=True)
+        ]
+
+    def take_used(self) -> list[bool]:
+        """This backward's used flags on this rank (frozen parameters count as unused)."""
+        used = [
+            u and not f for u, f in zip(self.used_in_backward, self.frozen_flags(), strict=True)
+        ]
+        self.used_in_backward = [False] * len(used)
+        return used
+
+    def take_unsharded(self) -> torch.Tensor | None:
+        """The gradient autograd accumulated into the unsharded buffer (1D, group-major),
+        zero where a parameter is frozen."""
+        grad = self.unsharded.grad
+        self.unsharded.grad = None
+        frozen = self.frozen_flags()
+        if grad is not None and any(frozen):
+            buffers = self.layout.trainable_buffers
+            pieces = [
+                piece
+                for buffer, data in zip(
+                    buffers, grad.split([b.padded_numel for b in buffers]), strict=True
+                )
+                for piece in data.split(buffer.split_sizes)[:-1]
+            ]
+            torch._foreach_zero_([p for p, f in zip(pieces, frozen, strict=True) if f])
+        return grad
+
+    def to_reduce(self, grad: torch.Tensor, sync: bool) -> torch.Tensor | None:
+        """The unsharded gradient to reduce now, in ``reduce_dtype``, with what backwards
+        without sync accumulated; None (no collective) while ``sync`` is off."""
+        grad = grad.to(self.reduce_dtype)
+        if self.accumulated is not None:
+            grad = self.accumulated.add_(grad)
+        if sync:
+            self.take_accumulated()
+            return grad
+        self.accumulated = grad
+        _accumulating.add(self)
+        return None
+
+    def take_accumulated(self) -> torch.Tensor | None:
+        """What backwards without sync accumulated and no synced backward reduced yet."""
+        grad, self.accumulated = self.accumulated, None
+        _accumulating.discard(self)
+        return grad
+
+    def assign(self, sharded_grad: torch.Tensor) -> None:
+        """Give each trainable shard its slice of ``sharded_grad`` (added if it has one),
+        in the shards' dtype."""
+        sizes = [buffer.shard_numel for buffer in self.layout.trainable_buffers]
+        pieces = sharded_grad.to(self.layout.dtype).split(sizes)
+        for index, (shard, piece) in enumerate(zip(self.shards, pieces, strict=True)):
+            if shard.grad is None:
+                shard.grad = piece
+                self.had_grad[index] = [False] * len(self.had_grad[index])  # start afresh
+            else:
+                shard.grad.add_(piece)
+
+    def add_used(self, used: Sequence[bool]) -> None:
+        """Add a backward's used flags (combined over ranks) and mark, on each shard, the
+        parameters its next optimizer step must leave alone (``SkippedSegments``)."""
+        flags = iter(used)
+        for shard, had in zip(self.shards, self.had_grad, strict=True):
+            for index in range(len(had)):
+                had[index] = had[index] or next(flags)
+            record = None
+            if shard.grad is not None and not all(had):
+                pieces = segments_of(shard).pieces  # type: ignore[union-attr]
+                ranges = tuple(
+                    (piece.shard_offset, piece.shard_offset + piece.numel)
+                    for piece in pieces
+                    if not had[piece.param_index]
+                )
+                if ranges or not any(had):
+                    record = SkippedSegments(weakref.ref(shard.grad), not any(had), ranges)
+            setattr(shard, SKIP_ATTR, record)
+
+
+def preserve_segments(
+    shard: torch.Tensor, state: Mapping[str, Any], ranges: Sequence[tuple[int, int]]
+) -> Callable[[], None]:
+    """Keep ``shard[start:end]`` for each (start, end) in ``ranges``, and the same elements of
+    every per-element state tensor of ``state`` (laid out like ``shard``), as copies; the
+    returned function writes them back (after an optimizer step, so parameters without a
+    gradient neither move nor change their state). Scalar state (``step``) is shared by the
+    whole shard and cannot be kept per parameter.
+
+    Per-element state that appears in ``state`` during the step (pass the optimizer's own
+    dict, ``optimizer.state[shard]``, which torch optimizers fill lazily) is zeroed over
+    ``ranges``: torch creates state only at a parameter's first gradient, zero-initialised.
+    """
+    if not ranges:
+        return lambda: None
+    existing = {key for key, value in state.items() if is_per_element(value, shard)}
+    tensors = [shard.detach()] + [state[key].detach() for key in sorted(existing)]
+    targets = [tensor[start:end] for tensor in tensors for start, end in ranges]
+    kept = [torch.empty_like(target) for target in targets]
+    torch._foreach_copy_(kept, targets)
+
+    def restore() -> None:
+        with torch.no_grad():
+            torch._foreach_copy_(targets, kept)
+            created = [
+                value.detach()[start:end]
+                for key, value in state.items()
+                if key not in existing and is_per_element(value, shard)
+                for start, end in ranges
+            ]
+            if created:
+                torch._foreach_zero_(created)
+
+    return restore
+
+
+# Storages holding gradient sums of backwards without sync.
+_accumulating: weakref.WeakSet[StorageGradients] = weakref.WeakSet()
+
+
+def _refuse_unreduced_gradients(optimizer: torch.optim.Optimizer) -> None:
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    waiting = [
+        book
+        for book in list(_accumulating)
+        if book.accumulated is not None and any(id(s) in stepped for s in book.shards)
+    ]
+    if waiting:
+        units = list(dict.fromkeys(book.layout.unit_name or "<root>" for book in waiting))
+        raise RuntimeError(
+            f"optimizer.step() while units {units} hold gradients of backwards run without "
+            "gradient sync (inside model.no_sync() or after "
+            "model.set_requires_gradient_sync(False)) that no synced backward has reduced: "
+            "the step would miss them. Run the last micro-batch's backward with sync on "
+            "(outside no_sync / set_requires_gradient_sync(True)), then step."
+        )
+
+
+# Optimizer steps over shards leave the pieces of parameters without a gradient alone.
+# Keyed by id(shard): (id of the optimizer whose step holds it, function that restores it).
+# A wrapper (gs.optim.LARC) steps its inner optimizer inside its own step: the outer
+# step holds the shard, the inner one leaves it to the outer.
+_held: dict[int, tuple[int, Callable[[], None]]] = {}
+_optimizer_hooks: list[Any] = []
+
+
+def _keep_skipped_segments(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if _accumulating:
+        _refuse_unreduced_gradients(optimizer)
+    # A step of this optimizer that raised left its holds behind: settle them first.
+    _restore_skipped_segments(optimizer, args, kwargs)
+    for group in optimizer.param_groups:
+        for shard in group["params"]:
+            record = skipped_segments_of(shard)
+            if record is None or id(shard) in _held:
+                continue
+            if record.whole:  # as torch.optim skips a parameter whose .grad is None
+                grad, shard.grad = shard.grad, None
+                restore = _grad_restorer(shard, grad)
+            else:
+                state = optimizer.state[shard]
+                restore = preserve_segments(shard, state, record.ranges)
+            _held[id(shard)] = (id(optimizer), restore)
+
+
+def _grad_restorer(shard: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:
+    def restore() -> None:
+        shard.grad = grad
+
+    return restore
+
+
+def _restore_skipped_segments(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    note_parameters_written()
+    if not _held:
+        return
+    mine = [key for key, (owner, _) in _held.items() if owner == id(optimizer)]
+    for key in mine:
+        _held.pop(key)[1]()
+
+
+def register_optimizer_hooks() -> None:
+    """Install the global optimizer-step hooks once per process."""
+    if not _optimizer_hooks:
+        _optimizer_hooks.append(register_optimizer_step_pre_hook(_keep_skipped_segments))
+        _optimizer_hooks.append(register_optimizer_step_post_hook(_restore_skipped_segments))

@@ -1,0 +1,116 @@
+"""What ``gs.shard`` attached to a model (``model.groupshard``), and the swap between its
+shards and the user's original parameters.
+
+Below the front-end (``api``) and the functions that take a sharded model (state dicts,
+safetensors, norms), which reach the state through ``sharding_state``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from groupshard import comm
+from groupshard.groups import ResolvedGroups
+from groupshard.layout import FROZEN_GROUP
+from groupshard.runtime import ShardedRuntime
+from groupshard.storage import FlatStorage
+from groupshard.units import UnitPlan
+
+
+class ShardingState:
+    """Everything ``shard`` attached to a model (``model.groupshard``)."""
+
+    def __init__(
+        self,
+        groups: ResolvedGroups,
+        plan: UnitPlan,
+        runtime: ShardedRuntime,
+        original_params: dict[str, nn.Parameter],
+        ranks: comm.Ranks,
+    ) -> None:
+        self.groups = groups
+        self.plan = plan
+        self.runtime = runtime
+        self.original_params = original_params  # FQN -> the user's tensor, now its piece
+        self.ranks = ranks
+        self.originals_registered = False  # inside summon_full_params / originals_installed
+
+    @property
+    def storages(self) -> list[FlatStorage]:
+        return self.runtime.storages
+
+    def shards_of_group(self, group_index: int) -> list[nn.Parameter]:
+        """The shard parameters that hold group ``group_index``, in unit order."""
+        return [
+            shard
+            for storage in self.storages
+            for shard, buffer in zip(storage.shards, storage.layout.buffers, strict=True)
+            if buffer.group_index == group_index
+        ]
+
+
+def is_sharded(model: object) -> bool:
+    """Whether ``model`` was returned by ``gs.shard``."""
+    return isinstance(getattr(model, "groupshard", None), ShardingState)
+
+
+def sharding_state(model: nn.Module, what: str) -> ShardingState:
+    """``model.groupshard``; a TypeError naming ``what`` if ``gs.shard`` did not return it."""
+    if not is_sharded(model):
+        raise TypeError(f"{what} expects a model returned by gs.shard, got {type(model).__name__}")
+    return model.groupshard  # type: ignore[return-value]
+
+
+def shard_attr_name(buffer_group: int, dtype: torch.dtype) -> str:
+    """The attribute under which a unit's module registers one shard."""
+    group = "frozen" if buffer_group == FROZEN_GROUP else f"group{buffer_group}"
+    return f"groupshard_{group}_{str(dtype).removeprefix('torch.')}"
+
+
+def register_shards(module: nn.Module, storage: FlatStorage) -> None:
+    for shard, buffer in zip(storage.shards, storage.layout.buffers, strict=True):
+        module.register_parameter(shard_attr_name(buffer.group_index, storage.layout.dtype), shard)
+
+
+def swap_in_originals(state: ShardingState, data: Mapping[str, torch.Tensor]) -> None:
+    """Register the user's original parameters again, holding ``data``, instead of the shards."""
+    state.originals_registered = True
+    for unit in state.runtime.units:
+        for storage in unit.storages:
+            for buffer in storage.layout.buffers:
+                del unit.module._parameters[
+                    shard_attr_name(buffer.group_index, storage.layout.dtype)
+                ]
+        for fqn, places in unit.places.items():
+            original = state.original_params[fqn]
+            original.data = data[fqn]
+            for module, attr in places:
+                module.__dict__.pop(attr, None)
+                module._parameters[attr] = original
+
+
+def swap_out_originals(state: ShardingState) -> None:
+    """Register the shards again; the original names show this rank's pieces."""
+    state.originals_registered = False
+    for unit in state.runtime.units:
+        for storage in unit.storages:
+            for fqn in storage.layout.fqns:
+                for module, attr in unit.places[fqn]:
+                    module._parameters.pop(attr, None)
+            register_shards(unit.module, storage)
+        unit.install_local_pieces()
+
+
+@contextmanager
+def originals_installed(model: nn.Module, data: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    """Within the block the model has its original parameters, holding ``data`` (by FQN)."""
+    state = sharding_state(model, "originals_installed")
+    swap_in_originals(state, data)
+    try:
+        yield
+    finally:
+        swap_out_originals(state)
