@@ -52,6 +52,12 @@ class GatherSchedule:
             self._backward_running.append(unit)
         self._gather_for_use(unit, self.backward_order or self.forward_order[::-1])
 
+    def gather_now(self, unit: UnitRuntime) -> None:
+        """Make ``unit`` gathered now, outside the recorded orders (a recomputation)."""
+        self._wait_for(unit)
+        if unit.needs_gather:
+            self.gather_together([unit])
+
     def end_backward(self) -> None:
         """Backward is over: its order is the one the next backward follows."""
         self.backward_order, self._backward_running = self._backward_running, []

@@ -16,10 +16,16 @@ piece of a flat shard:
 
 Gradient accumulation: while gradient sync is off, a backward adds the storage's unsharded
 gradient to a local sum (``reduce_dtype``); the next synced backward reduces it once.
+
+A shard's gradient is a ``ShardGrad``: a norm of it is the norm of the whole flat buffer
+over ranks (as a DTensor's), so torch's ``clip_grad_norm_`` and ``get_total_norm`` over
+``model.parameters()`` give the unsharded model's norm on every rank. During an optimizer
+step it is a plain tensor (no dispatch cost).
 """
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -32,9 +38,10 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
+from groupshard import comm
 from groupshard.flatten import is_per_element
 from groupshard.layout import StorageLayout
-from groupshard.segments import segments_of
+from groupshard.segments import attach_segments, segments_of
 from groupshard.writes import note_parameters_written
 
 SKIP_ATTR = "groupshard_skip"
@@ -62,6 +69,73 @@ def skipped_segments_of(tensor: torch.Tensor) -> SkippedSegments | None:
     """What the next optimizer step must leave alone in a shard, or None."""
     record = getattr(tensor, SKIP_ATTR, None)
     return record if record is not None and record.applies_to(tensor) else None
+
+
+_NORMS = {torch.linalg.vector_norm, torch.linalg.norm, torch.norm, torch.Tensor.norm}
+
+
+class ShardGrad(torch.Tensor):
+    """The gradient of a flat shard: a plain tensor whose norms are the whole flat
+    buffer's (every rank's slice; the padding is zero), one all-reduce each. So the sum
+    over ``model.parameters()`` that torch's norm utilities take is the unsharded model's.
+    Every rank must take the same norms, as with DTensors."""
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunctionSubclass():
+            if func in _NORMS and isinstance(args[0], ShardGrad):
+                return _buffer_norm(func, args[0], args[1:], kwargs)
+            if func is torch._foreach_norm:
+                ord = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+                return [torch.linalg.vector_norm(t, ord) for t in args[0]]
+            return func(*args, **kwargs)
+
+
+def _buffer_norm(func: Any, grad: ShardGrad, args: Sequence[Any], kwargs: Any) -> torch.Tensor:
+    """``func(grad, *args, **kwargs)`` (a vector norm) over the whole flat buffer."""
+    first = "ord" if func in (torch.linalg.vector_norm, torch.linalg.norm) else "p"
+    names = (first, "dim", "keepdim")
+    options = {**dict(zip(names, args, strict=False)), **kwargs}
+    if options.get("dim") is not None:
+        raise ValueError(
+            f"{getattr(func, '__name__', func)}(dim={options['dim']!r}) of a groupshard shard's "
+            "gradient: a shard is a 1-D slice of a flat buffer of several parameters, so a "
+            "norm over a dimension has no meaning for the unsharded model; take gs.grad_norms("
+            "model) for per-parameter norms, or a norm over all elements."
+        )
+    ord = options.get(first, 2)
+    ord = 2 if ord in (None, "fro") else ord
+    if not isinstance(ord, (int, float)) or (ord < 0 and ord != -math.inf):
+        raise ValueError(
+            f"The norm of a groupshard shard's gradient supports ord >= 0, inf and -inf, got "
+            f"{ord!r}; gs.clip_grad_norm_(model, max_norm, norm_type) takes any of these."
+        )
+    local = grad.as_subclass(torch.Tensor)
+    if options.get("dtype") is not None:
+        local = local.to(options["dtype"])
+    segments = segments_of(grad)
+    ranks = segments.ranks if segments is not None and segments.needs_reduce else None
+    if ord == math.inf:
+        value = local.abs().max()  # a shard is never empty
+        if ranks is not None:
+            comm.all_reduce_max(value, ranks)
+        return value
+    value = (local != 0).sum().to(local.dtype) if ord == 0 else local.abs().pow(ord).sum()
+    if ranks is not None:
+        comm.all_reduce_sum(value, ranks)
+    return value if ord == 0 else value.pow(1.0 / ord)
+
+
+def as_shard_grad(grad: torch.Tensor, shard: torch.Tensor) -> ShardGrad:
+    """``grad`` (a view of the same memory) as ``shard``'s ``ShardGrad``."""
+    wrapped = grad.as_subclass(ShardGrad)
+    segments = segments_of(shard)
+    if segments is not None:
+        attach_segments(wrapped, segments)
+    return wrapped
 
 
 class StorageGradients:
@@ -158,7 +232,7 @@ class StorageGradients:
         pieces = sharded_grad.to(self.layout.dtype).split(sizes)
         for index, (shard, piece) in enumerate(zip(self.shards, pieces, strict=True)):
             if shard.grad is None:
-                shard.grad = piece
+                shard.grad = as_shard_grad(piece, shard)
                 self.had_grad[index] = [False] * len(self.had_grad[index])  # start afresh
             else:
                 shard.grad.add_(piece)
@@ -241,7 +315,8 @@ def _refuse_unreduced_gradients(optimizer: torch.optim.Optimizer) -> None:
         )
 
 
-# Optimizer steps over shards leave the pieces of parameters without a gradient alone.
+# During an optimizer step over shards, their gradients are plain tensors, and the pieces of
+# parameters without a gradient are left alone (kept and written back after the step).
 # Keyed by id(shard): (id of the optimizer whose step holds it, function that restores it).
 # A wrapper (gs.optim.LARC) steps its inner optimizer inside its own step: the outer
 # step holds the shard, the inner one leaves it to the outer.
@@ -249,33 +324,46 @@ _held: dict[int, tuple[int, Callable[[], None]]] = {}
 _optimizer_hooks: list[Any] = []
 
 
-def _keep_skipped_segments(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if _accumulating:
         _refuse_unreduced_gradients(optimizer)
     # A step of this optimizer that raised left its holds behind: settle them first.
-    _restore_skipped_segments(optimizer, args, kwargs)
+    _after_step(optimizer, args, kwargs)
     for group in optimizer.param_groups:
         for shard in group["params"]:
-            record = skipped_segments_of(shard)
-            if record is None or id(shard) in _held:
+            grad = shard.grad
+            if not isinstance(grad, ShardGrad) or id(shard) in _held:
                 continue
-            if record.whole:  # as torch.optim skips a parameter whose .grad is None
-                grad, shard.grad = shard.grad, None
-                restore = _grad_restorer(shard, grad)
+            record = skipped_segments_of(shard)
+            keep = None
+            if record is not None and record.whole:  # as torch.optim skips a .grad of None
+                shard.grad = None
             else:
-                state = optimizer.state[shard]
-                restore = preserve_segments(shard, state, record.ranges)
-            _held[id(shard)] = (id(optimizer), restore)
+                shard.grad = grad.as_subclass(torch.Tensor)  # plain: no dispatch in the step
+                if record is not None:
+                    keep = preserve_segments(shard, optimizer.state[shard], record.ranges)
+            _held[id(shard)] = (id(optimizer), _restorer(shard, grad, shard.grad, keep))
 
 
-def _grad_restorer(shard: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:
+def _restorer(
+    shard: torch.Tensor,
+    grad: torch.Tensor,
+    during_step: torch.Tensor | None,
+    keep: Callable[[], None] | None,
+) -> Callable[[], None]:
+    """Write the kept pieces back and give the shard its gradient again, unless the shard
+    has another gradient by now (a step that raised, then a new backward)."""
+
     def restore() -> None:
-        shard.grad = grad
+        if keep is not None:
+            keep()
+        if shard.grad is during_step:
+            shard.grad = grad
 
     return restore
 
 
-def _restore_skipped_segments(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     note_parameters_written()
     if not _held:
         return
@@ -287,5 +375,5 @@ def _restore_skipped_segments(optimizer: torch.optim.Optimizer, args: Any, kwarg
 def register_optimizer_hooks() -> None:
     """Install the global optimizer-step hooks once per process."""
     if not _optimizer_hooks:
-        _optimizer_hooks.append(register_optimizer_step_pre_hook(_keep_skipped_segments))
-        _optimizer_hooks.append(register_optimizer_step_post_hook(_restore_skipped_segments))
+        _optimizer_hooks.append(register_optimizer_step_pre_hook(_before_step))
+        _optimizer_hooks.append(register_optimizer_step_post_hook(_after_step))

@@ -55,6 +55,7 @@ class ShardedRuntime:
         self.requires_gradient_sync = True  # False: backwards keep local gradient sums
         self.in_no_sync = False  # inside model.no_sync()
         self.reshard_after_backward = True  # False: units stay gathered after backward
+        self._backward_task = -1  # autograd's id of the backward the hooks serve
         self._handles: list[Any] = []
 
     @property
@@ -91,6 +92,10 @@ class ShardedRuntime:
         def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
             if self.state is TrainingState.SUMMONED:
                 return None
+            if _in_backward():  # activation checkpointing recomputes the unit
+                self.gathers.gather_now(unit)
+                unit.install_views(track_use=torch.is_grad_enabled())
+                return None if unit.policy is None else unit.policy.cast_inputs(args, kwargs)
             for storage in unit.storages:
                 storage.check_shards()
             if unit is self.units[0]:
@@ -107,10 +112,12 @@ class ShardedRuntime:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             if self.state is TrainingState.SUMMONED:
                 return None
-            if unit is self.units[0] and self.state is TrainingState.FORWARD:
-                self.state = TrainingState.IDLE
             if unit.policy is not None:
                 output = unit.policy.cast_output(output)
+            if _in_backward():  # a recomputation: the unit's backward follows at once
+                return output
+            if unit is self.units[0] and self.state is TrainingState.FORWARD:
+                self.state = TrainingState.IDLE
             # grad_op keeps every unit for backward; full keeps only the root, whose
             # backward begins right after its forward (FSDP2's root does the same)
             keep = self.strategy != "full" or unit is self.units[0]
@@ -131,8 +138,13 @@ class ShardedRuntime:
         def hook(grad: torch.Tensor) -> None:
             if self.state is not TrainingState.BACKWARD:
                 self.state = TrainingState.BACKWARD
+                self._backward_task = torch._C._current_graph_task_id()
                 Variable._execution_engine.queue_callback(self._end_of_backward)
             self.gathers.before_backward(unit)
+            if self.strategy == "full" and unit is not self.units[0]:
+                # the parameters' names show the gathered views again, for a forward that
+                # activation checkpointing recomputes from them
+                unit.install_views(track_use=True)
 
         return hook
 
@@ -141,12 +153,15 @@ class ShardedRuntime:
             grad = storage.gradients.take_unsharded()
             if grad is None:
                 return
-            # The parameters are no longer needed once their gradient is complete (unless
-            # a frozen op later in backward reads this storage: then wait for the end).
+            # The parameters are no longer needed once their gradient is complete, unless a
+            # frozen op later in backward reads this storage, or this is the inner backward
+            # of a reentrant checkpoint (the outer one may still read the unit): then the
+            # end of backward frees them.
             if (
                 self.strategy == "full"
                 and self.reshard_after_backward
                 and not storage.layout.frozen_buffers
+                and torch._C._current_graph_task_id() == self._backward_task
             ):
                 storage.reshard()
             grad = storage.gradients.to_reduce(grad, self.requires_gradient_sync)
@@ -200,3 +215,8 @@ class ShardedRuntime:
         if self.strategy == "full":
             orders["backward order of units"] = [u.label for u in self.gathers.backward_order]
         return orders
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward (a forward now is a recomputation)."""
+    return torch._C._current_graph_task_id() != -1
