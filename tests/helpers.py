@@ -218,3 +218,29 @@ def set_grad_element(sharded: gs.ShardedModule, fqn: str, index: int, value: flo
                 position = slot.offset + index
                 if start <= position < end:
                     shard.grad.view(-1)[position - start] = value
+
+
+def emulated_cast_step(
+    master: nn.Module,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    dtype: torch.dtype,
+    loss_scale: float = 1.0,
+) -> list[float]:
+    """Give ``master`` the fp32 mean of the ``dtype`` gradients of each batch (one per rank
+    and micro-batch), as mixed precision with an fp32 reduction computes them; each loss is
+    multiplied by ``loss_scale`` before its backward."""
+    compute = copy.deepcopy(master).to(dtype)
+    total = {name: torch.zeros_like(p) for name, p in master.named_parameters()}
+    losses = []
+    for inputs, targets in batches:
+        compute.zero_grad()
+        loss = compute(inputs, targets)
+        (loss * loss_scale).backward()
+        losses.append(loss.item())
+        for name, p in compute.named_parameters():
+            if p.grad is not None:
+                total[name] += p.grad.float()
+    for name, p in master.named_parameters():
+        if p.requires_grad:
+            p.grad = total[name] / len(batches)
+    return losses

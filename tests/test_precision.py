@@ -23,6 +23,7 @@ from helpers import (
     TINY,
     UNITS,
     EdgeGPT,
+    emulated_cast_step,
     full_grads,
     global_batches,
     max_difference,
@@ -30,27 +31,6 @@ from helpers import (
 )
 
 BF16 = gs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-
-
-def _emulated_step(
-    master: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]
-) -> list[float]:
-    """Give ``master`` the fp32 mean of the bf16 gradients of each batch (one per rank)."""
-    compute = copy.deepcopy(master).to(torch.bfloat16)
-    total = {name: torch.zeros_like(p) for name, p in master.named_parameters()}
-    losses = []
-    for inputs, targets in batches:
-        compute.zero_grad()
-        loss = compute(inputs, targets)
-        loss.backward()
-        losses.append(loss.item())
-        for name, p in compute.named_parameters():
-            if p.grad is not None:
-                total[name] += p.grad.float()
-    for name, p in master.named_parameters():
-        if p.requires_grad:
-            p.grad = total[name] / len(batches)
-    return losses
 
 
 def precision_case(
@@ -71,7 +51,7 @@ def precision_case(
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        reference_losses = _emulated_step(reference, per_rank)
+        reference_losses = emulated_cast_step(reference, per_rank, torch.bfloat16)
         reference_opt.step()
         reference_opt.zero_grad()
         loss_difference = max(loss_difference, abs(loss.item() - reference_losses[rank]))
