@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -225,22 +227,26 @@ def emulated_cast_step(
     batches: list[tuple[torch.Tensor, torch.Tensor]],
     dtype: torch.dtype,
     loss_scale: float = 1.0,
+    reduce_dtype: torch.dtype = torch.float32,
+    around: Callable[[int, nn.Module], AbstractContextManager[Any]] | None = None,
 ) -> list[float]:
-    """Give ``master`` the fp32 mean of the ``dtype`` gradients of each batch (one per rank
-    and micro-batch), as mixed precision with an fp32 reduction computes them; each loss is
-    multiplied by ``loss_scale`` before its backward."""
+    """Give ``master`` the mean of the ``dtype`` gradients of each batch (one per rank and
+    micro-batch), summed in ``reduce_dtype`` in batch order, then divided, as mixed
+    precision computes them; each loss is multiplied by ``loss_scale`` before its backward.
+    ``around(index, compute_model)``: a context for batch ``index``'s forward and backward."""
     compute = copy.deepcopy(master).to(dtype)
-    total = {name: torch.zeros_like(p) for name, p in master.named_parameters()}
+    total = {name: torch.zeros_like(p, dtype=reduce_dtype) for name, p in master.named_parameters()}
     losses = []
-    for inputs, targets in batches:
+    for index, (inputs, targets) in enumerate(batches):
         compute.zero_grad()
-        loss = compute(inputs, targets)
-        (loss * loss_scale).backward()
+        with around(index, compute) if around is not None else contextlib.nullcontext():
+            loss = compute(inputs, targets)
+            (loss * loss_scale).backward()
         losses.append(loss.item())
         for name, p in compute.named_parameters():
             if p.grad is not None:
-                total[name] += p.grad.float()
+                total[name] += p.grad.to(reduce_dtype)
     for name, p in master.named_parameters():
         if p.requires_grad:
-            p.grad = total[name] / len(batches)
+            p.grad = (total[name] / len(batches)).to(p.dtype)
     return losses

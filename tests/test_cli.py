@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -281,6 +282,9 @@ def test_help_and_argument_errors_answer_without_importing_torch():
         "--grad-accum must be at least 1, got 0": ["--grad-accum", "0"],
         "argument --grad-accum: invalid int value: '1.5'": ["--grad-accum", "1.5"],
         "--precision bf16 needs groupshard's sharding": ["--zero", "--precision", "bf16"],
+        "--precision fp16 needs groupshard's sharding": ["--zero", "--precision", "fp16"],
+        "--loss-scale needs --precision fp16, got --precision fp32": ["--loss-scale", "8"],
+        "--loss-scale must be positive, got -1.0": ["--precision", "fp16", "--loss-scale=-1"],
         "--init meta needs groupshard's sharding": ["--zero", "--init", "meta"],
     }
     for expected, args in cases.items():
@@ -463,3 +467,39 @@ def test_bf16_with_grad_accum_trains_records_both_and_resumes_only_alike(tmp_pat
         f"groupshard train: error: --resume: the checkpoint in {out} is from another run "
         "(--grad-accum 2, not 1)"
     ]
+
+
+def test_fp16_skips_overflowing_steps_and_resumes_bit_identically(tmp_path):
+    """--precision fp16 (and 2 micro-batches) from a loss scale of 2**18, which the tiny
+    model's first gradients overflow: such steps are skipped on both ranks and the scale
+    halved. A run resumed at step 6 from a copy of a run stopped at step 4 ends as the
+    one resumed only at step 4 (the same LR schedule, fixed by the first --steps 4): the
+    same rows and weights, so the scaler's state was saved and restored with them."""
+    whole, parts = str(tmp_path / "whole"), str(tmp_path / "parts")
+    options = [*TINY, "--precision", "fp16", "--grad-accum", "2", "--eval-every", "2"]
+    groupshard("train", *options, "--loss-scale", str(2**18), "--steps", "4", "--out", whole)
+    shutil.copytree(whole, parts)
+    groupshard("train", *options, "--steps", "8", "--resume", "--out", whole)
+    for steps in ("6", "8"):
+        groupshard("train", *options, "--steps", steps, "--resume", "--out", parts)
+    rows = _rows(whole)
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert [r["precision"] for r in rows] == ["fp16"] * 8
+    assert rows[0]["loss_scale"] == 2**18 and rows[0]["grad_norm/decay"] is None  # skipped
+    for previous, row in itertools.pairwise(rows):  # halved after an overflow (null norms)
+        overflowed = previous["grad_norm/decay"] is None
+        assert row["loss_scale"] == previous["loss_scale"] / (2 if overflowed else 1), rows
+    assert rows[-1]["loss_scale"] < 2**18
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.3  # it learns from the steps it took
+    extra = gs.checkpoint.read_extra(os.path.join(whole, "checkpoint"))
+    last = rows[-1]["loss_scale"] / (2 if rows[-1]["grad_norm/decay"] is None else 1)
+    assert extra["scaler"]["scale"] == last
+    timing = {"tokens_per_s"}
+    assert [{k: v for k, v in r.items() if k not in timing} for r in _rows(parts)] == [
+        {k: v for k, v in r.items() if k not in timing} for r in rows
+    ]
+    expected = _model_tensors(os.path.join(whole, "checkpoint"), str(tmp_path / "whole.pt"))
+    resumed = _model_tensors(os.path.join(parts, "checkpoint"), str(tmp_path / "parts.pt"))
+    assert expected.keys() == resumed.keys()
+    for name in expected:
+        assert torch.equal(expected[name], resumed[name]), name

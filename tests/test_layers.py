@@ -12,7 +12,7 @@ LAYERS = {
     "communication": ["comm"],
     "storage": ["segments", "flatten", "gradients", "storage"],
     "runtime": ["unit_runtime", "gathers", "buckets", "end_of_backward", "runtime"],
-    "model": ["sharding", "materialize", "norms", "safetensors_io", "full_state"],
+    "model": ["sharding", "materialize", "norms", "scaler", "safetensors_io", "full_state"],
     "front-ends": ["api", "optim", "zero", "checkpoint"],
     "command line": ["cli", "__init__", "__main__"],
 }

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from groupshard.optim.muon_groups import muon_groups
     from groupshard.precision import MixedPrecision
     from groupshard.safetensors_io import save_safetensors
+    from groupshard.scaler import GradScaler
     from groupshard.zero import ZeroRedundancyOptimizer
 
 _SUBPACKAGES = ("checkpoint", "optim")
@@ -40,6 +41,7 @@ _HOMES = {
     "groups_by": "groups",
     "muon_groups": "optim.muon_groups",
     "MixedPrecision": "precision",
+    "GradScaler": "scaler",
     "save_safetensors": "safetensors_io",
     "clip_grad_norm_": "norms",
     "clip_grad_norm_per_group_": "norms",
@@ -70,6 +72,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "GradScaler",
     "MixedPrecision",
     "ShardedModule",
     "ZeroRedundancyOptimizer",

@@ -5,4 +5,4 @@ The names the parser offers live here, free of torch, so that parsing imports no
 
 MODEL_SIZES = ("tiny", "small", "medium")  # the keys of ``train.PRESETS``
 OPTIMIZERS = ("adamw", "sgd", "lamb", "lars")
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp16")

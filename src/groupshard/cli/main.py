@@ -33,6 +33,7 @@ LAUNCHER_LOG = "launcher.log"  # in --out: the launcher's and the workers' logs
 # below torch's defaults (30 min on gloo, 10 on NCCL) that would leave a hung run silent
 DEFAULT_TIMEOUT = 300.0
 DEFAULT_PRECISION = "fp32"  # see --precision's help
+DEFAULT_LOSS_SCALE = 2.0**16  # torch.amp.GradScaler's init_scale
 
 
 class CommandError(Exception):
@@ -96,10 +97,18 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--precision", choices=PRECISIONS, default=DEFAULT_PRECISION,
         help="bf16: units gathered and computed in bfloat16, gradients reduced in float32 "
-        "into the float32 shards the optimizer steps (the loss in float32 either way); not "
-        "with --zero. fp32 is the default as bf16 was slower for the default run "
+        "into the float32 shards the optimizer steps (the loss in float32 either way); fp16: "
+        "the same in float16, with a loss scaler (gs.GradScaler) that skips a step whose "
+        "gradients overflow on any rank and halves its scale; not with --zero. fp32 is the "
+        "default as bf16 was slower for the default run "
         "on a 2-core CPU with AVX512-BF16 (CPU bf16 speed depends on AVX512-BF16/AMX "
         "support and on the model's sizes)",
+    )  # fmt: skip
+    train.add_argument(
+        "--loss-scale", type=_finite_float, default=None, metavar="S",
+        help="with --precision fp16: the loss scale to start from (default: 65536, torch's); "
+        "halved at each step whose gradients overflow, doubled after 2000 steps without; a "
+        "resumed run continues from its checkpoint's",
     )  # fmt: skip
     train.add_argument(
         "--init", choices=("meta", "full"), default=None,
@@ -176,6 +185,10 @@ def _check(args: argparse.Namespace) -> TrainConfig:
             "--init meta needs groupshard's sharding; --zero (DDP + the ZeRO-1 optimizer) "
             "builds the whole model on every rank"
         )
+    if args.loss_scale is not None and args.precision != "fp16":
+        raise CommandError(f"--loss-scale needs --precision fp16, got --precision {args.precision}")
+    if args.loss_scale is not None and not args.loss_scale > 0:
+        raise CommandError(f"--loss-scale must be positive, got {args.loss_scale}")
     if args.zero and args.precision != "fp32":
         raise CommandError(
             f"--precision {args.precision} needs groupshard's sharding; --zero (DDP + the ZeRO-1 "
@@ -206,6 +219,7 @@ def _check(args: argparse.Namespace) -> TrainConfig:
         ckpt_every=args.ckpt_every, eval_every=args.eval_every, clip=args.clip,
         timeout=args.timeout, precision=args.precision, grad_accum=args.grad_accum,
         init=args.init or ("full" if args.zero else "meta"),
+        loss_scale=DEFAULT_LOSS_SCALE if args.loss_scale is None else args.loss_scale,
     )  # fmt: skip
     _check_out(out)
     checkpoint = Path(out) / CHECKPOINT

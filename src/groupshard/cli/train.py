@@ -36,6 +36,8 @@ CHECKPOINT = "checkpoint"
 ZERO_CHECKPOINT = "zero.pt"  # inside CHECKPOINT: the --zero run's plain torch.save file
 # identity keys that older checkpoints lack, with the value every run then had
 IDENTITY_BEFORE_RECORDED = {"precision": "fp32", "grad_accum": 1}
+# --precision: the dtype units gather and compute in (gradients reduce in fp32 either way)
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -58,9 +60,10 @@ class TrainConfig:
     eval_every: int
     clip: float
     timeout: float  # seconds a collective may wait for the other ranks
-    precision: str = "fp32"  # "fp32" or "bf16" (units compute in bf16, fp32 masters)
+    precision: str = "fp32"  # "fp32", "bf16" or "fp16" (units compute in it, fp32 masters)
     grad_accum: int = 1  # micro-batches per rank and optimizer step
     init: str = "meta"  # "meta": built on the meta device, initialized by gs.shard; "full"
+    loss_scale: float = 2.0**16  # fp16: the scaler's initial scale (a checkpoint's on resume)
 
     def identity(self) -> dict[str, Any]:
         """What a checkpoint must share with the run that resumes it."""
@@ -153,10 +156,11 @@ class Run:
             )
             self.local_params = self.total_params
         else:
+            dtype = COMPUTE_DTYPES.get(config.precision)
             precision = (
-                gs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-                if config.precision == "bf16"
-                else None
+                None
+                if dtype is None
+                else gs.MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32)
             )
             self.model = gs.shard(
                 model,
@@ -168,6 +172,12 @@ class Run:
             )
             self.optimizer = optimizer_class(self.model.optimizer_groups(), **kwargs)
             self.local_params = sum(s.local.numel() for s in self.model.groupshard.storages)
+        # fp16: the loss scaler, whose skip-this-step decision all ranks share
+        self.scaler = (
+            gs.GradScaler(self.model, init_scale=config.loss_scale)
+            if config.precision == "fp16"
+            else None
+        )
         for group in self.optimizer.param_groups:
             group["base_lr"] = group["lr"]
         # the LR schedule's length: the first start's --steps, kept by its checkpoints, so a
@@ -237,6 +247,8 @@ class Run:
             "config": self.config.identity(),
             "schedule_steps": self.schedule_steps,
         }
+        if self.scaler is not None:
+            extra["scaler"] = self.scaler.state_dict()
         path = Path(self.config.out) / CHECKPOINT
         if self.sharded is not None:
             gs.checkpoint.save(path, self.sharded, self.optimizer, extra=extra)
@@ -273,6 +285,8 @@ class Run:
                 raise cause from error
             raise RuntimeError(f"cannot resume from {path}: {describe(cause)}") from error
         self.schedule_steps = int(extra.get("schedule_steps", self.config.steps))
+        if self.scaler is not None:  # fp16 is in the identity: its checkpoints have one
+            self.scaler.load_state_dict(extra["scaler"])
         return int(extra["step"])
 
 
@@ -309,23 +323,35 @@ def _step(
     run: Run, step: int, tokens_per_step: int, eval_every: int
 ) -> tuple[dict[str, Any], str | None]:
     """Train one step (--grad-accum micro-batches, one optimizer step); return its log row
-    and what was not finite (then nothing was updated), the same on every rank."""
-    config, tick = run.config, time.perf_counter()
+    and what was not finite (then nothing was updated), the same on every rank.
+
+    fp16: the loss is scaled for backward, the gradients unscaled before their norms and
+    clipping; a step whose gradients overflowed is skipped and the scale halved (the
+    scaler's decision, agreed by all ranks), which is no failure."""
+    config, tick, scaler = run.config, time.perf_counter(), run.scaler
     for group in run.optimizer.param_groups:
         group["lr"] = group["base_lr"] * lr_factor(step, run.schedule_steps)
     accum, losses = config.grad_accum, []
     for micro in range(accum):
         with run.no_sync(micro):  # the last backward reduces the sum of all of them
             loss = run.model(*run.batch(run.train_data, step * accum + micro))
-            (loss / accum).backward()  # the gradient of the K-times larger batch's mean
+            mean_part = loss / accum  # the gradient of the K-times larger batch's mean
+            (mean_part if scaler is None else scaler.scale(mean_part)).backward()
         losses.append(loss.detach())
+    if scaler is not None:
+        loss_scale = scaler.get_scale()
+        scaler.unscale_(run.optimizer)
     grad_norms = dict(zip(run.group_names, run.group_grad_norms(), strict=True))
     mean_loss = torch.stack(losses).mean()
     comm.all_reduce_mean(mean_loss, run.ranks)  # not finite on all ranks if on any
-    problem = nonfinite(mean_loss.item(), grad_norms)
+    problem = nonfinite(mean_loss.item(), grad_norms if scaler is None else {})
     if problem is None:
         run.clip()
-        run.optimizer.step()
+        if scaler is None:
+            run.optimizer.step()
+        else:
+            scaler.step(run.optimizer)  # skipped on every rank if any overflowed
+            scaler.update()
     run.optimizer.zero_grad()
     row = {
         "step": step + 1,
@@ -335,6 +361,8 @@ def _step(
         "precision": config.precision,
         "grad_accum": accum,
     }
+    if scaler is not None:  # the scale this step's backward used (halved after an overflow)
+        row["loss_scale"] = loss_scale
     row.update({f"grad_norm/{name}": norm for name, norm in grad_norms.items()})
     groups = zip(run.group_names, run.optimizer.param_groups, strict=True)
     row.update({f"lr/{name}": group["lr"] for name, group in groups})
