@@ -34,6 +34,14 @@ MUON_ROWS = "|".join(
     f"^{re.escape(name)}$" for name in (*MUON_PARTNERS, *dict.fromkeys(MUON_PARTNERS.values()))
 )
 """``--rows`` for the Muon rows and their AdamW rows only."""
+COMPILE_PARTNERS = {
+    f"{name}, compiled": name for name in ("DDP", "FSDP2", "groupshard full", "groupshard no_shard")
+}
+"""Each compiled row (``--compile``) and the same system eager."""
+COMPILE_ROWS = "|".join(
+    f"^{re.escape(name)}$" for pair in COMPILE_PARTNERS.items() for name in pair
+)
+"""``--rows`` for the compiled rows and their eager rows only."""
 
 
 def _precision_rows(deepspeed: bool, micro_batches: int) -> dict[str, System]:
@@ -76,11 +84,26 @@ def _muon_rows(deepspeed: bool) -> dict[str, System]:
     return rows
 
 
+def _compiled_rows() -> dict[str, System]:
+    """Each block compiled (inductor), the root eager; compared with FSDP2 compiled alike."""
+    options = dict(compiled=True, baseline="FSDP2, compiled")
+    return {
+        "DDP, compiled": DDP(**options),
+        "FSDP2, compiled": FSDP2(**options),
+        "groupshard full, compiled": Groupshard("full", **options),
+        "groupshard no_shard, compiled": Groupshard("no_shard", **options),
+    }
+
+
 def systems(
-    lamb: bool = True, micro_batches: int = MICRO_BATCHES, muon: bool = False
+    lamb: bool = True,
+    micro_batches: int = MICRO_BATCHES,
+    muon: bool = False,
+    compiled: bool = False,
 ) -> dict[str, System]:
     """Every row: AdamW in the two groups (decay / no decay) unless named; LAMB rows with
-    ``lamb``, Muon rows with ``muon``; DeepSpeed's only where it is installed."""
+    ``lamb``, Muon rows with ``muon``, compiled rows with ``compiled``; DeepSpeed's only
+    where it is installed."""
     deepspeed = deepspeed_available()
     table: dict[str, System] = {
         "DDP": DDP(),
@@ -105,4 +128,6 @@ def systems(
     table.update(_precision_rows(deepspeed, micro_batches))
     if muon:
         table.update(_muon_rows(deepspeed))
+    if compiled:
+        table.update(_compiled_rows())
     return table

@@ -1,7 +1,8 @@
 """The project benchmark: the same training step, every system, interleaved in one run.
 
     python benchmarks/run.py [--model 4m|small-params|30m|tiny] [--world-size 2] [--rounds 10]
-                             [--device cpu|cuda] [--rss] [--rows REGEX|muon-only] [--muon]
+                             [--device cpu|cuda] [--rss] [--rows REGEX|muon-only|compile-only]
+                             [--muon] [--compile]
 
 Systems: DDP, torch ZeroRedundancyOptimizer + DDP, FSDP2 (``fully_shard`` per block
 and root), FSDP1 (``use_orig_params``, per block), DeepSpeed ZeRO 1/2/3 (when
@@ -30,6 +31,15 @@ torch.optim.Muon's, so the row is compared for speed, its difference reported bu
 bounded. The Muon table adds each row's optimizer step over "DDP + torch Muon"'s, and each
 system's step time with Muon over its AdamW row's (``--rows muon-only``: the Muon rows and
 those AdamW rows alone).
+
+Compiled (``--compile``; off by default, inductor's first compile takes a while on CPU):
+"DDP, compiled", "FSDP2, compiled", "groupshard full, compiled" and "groupshard no_shard,
+compiled" compile each block in place (``Block.compile()``, torch's default backend,
+inductor) before DDP, ``fully_shard`` or ``gs.shard``; the root (embeddings, head, loss)
+stays eager, as ``torch.compile`` of a whole groupshard model leaves it. The
+warm-up steps take the compile; the ratio column is to "FSDP2, compiled", and each row's
+eager row is the same name without ", compiled" (``--rows compile-only``: these rows and
+their eager rows alone).
 
 Mixed precision and gradient accumulation: groupshard full, FSDP2 and DeepSpeed ZeRO-3 in
 bf16 (gathered and computing in bf16, gradients reduced in fp32 into fp32 masters:
@@ -91,7 +101,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from optimizers import LR, adamw, decay_groups, muon_groups, torch_muon
-from rows import MICRO_BATCHES, MUON_PARTNERS, MUON_ROWS, systems
+from rows import COMPILE_ROWS, MICRO_BATCHES, MUON_PARTNERS, MUON_ROWS, systems
 from systems import System, device, unique_bytes
 from torch import nn
 
@@ -386,7 +396,8 @@ def _worker(rank: int, args: argparse.Namespace, store_path: str, result_path: s
     config, batch = MODELS[args.model]
     torch.manual_seed(0)
     base = GPT(config).to(device())
-    table = systems(lamb=not args.no_lamb, micro_batches=args.micro_batches, muon=args.muon)
+    table = systems(lamb=not args.no_lamb, micro_batches=args.micro_batches, muon=args.muon,
+                    compiled=args.compile)  # fmt: skip
     if args.only:
         table = {args.only: table[args.only]}
     if args.rows:
@@ -792,6 +803,11 @@ def main(argv: list[str] | None = None) -> int:
              "systems' AdamW rows only (implies --muon)",
     )  # fmt: skip
     parser.add_argument(
+        "--compile", action="store_true",
+        help="add the rows with each block compiled (inductor); --rows compile-only: those "
+             "rows and the same systems eager only (implies --compile)",
+    )  # fmt: skip
+    parser.add_argument(
         "--micro-batches", type=int, default=MICRO_BATCHES,
         help="micro-batches per optimizer step in the accumulation rows (at least 2)",
     )  # fmt: skip
@@ -806,6 +822,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rows == "muon-only":
         args.rows, args.muon = MUON_ROWS, True
+    if args.rows == "compile-only":
+        args.rows, args.compile = COMPILE_ROWS, True
     if args.micro_batches < 2:
         parser.error(f"--micro-batches must be at least 2, got {args.micro_batches}")
     report = run(args)

@@ -56,9 +56,12 @@ class System(ABC):
     lamb: bool = False  # the system's LAMB: compared with a LAMB reference
     muon: bool = False  # Muon + AdamW: compared with a torch.optim.Muon + AdamW reference
     baseline: str = "FSDP2"  # the row its step time is compared with
+    compiled: bool = False  # each block's forward compiled (``Block.compile()``, inductor)
 
     accumulates: ClassVar[bool] = False
     """Whether ``micro_batch`` can accumulate gradients without syncing them."""
+    compiles: ClassVar[bool] = False
+    """Whether ``build`` compiles the blocks (``compile_blocks``) where ``compiled`` is set."""
     collectives_in_comm: ClassVar[bool] = False
     """Whether its gathered and reduced bytes are counted in groupshard's comm functions
     (else read from the sizes torch.profiler records)."""
@@ -66,10 +69,22 @@ class System(ABC):
     def __post_init__(self) -> None:
         if self.micro_batches > 1 and not self.accumulates:
             raise ValueError(f"{type(self).__name__} has no gradient accumulation rows")
+        if self.compiled and not self.compiles:
+            raise ValueError(f"{type(self).__name__} has no compiled rows")
 
     @abstractmethod
     def build(self, base: nn.Module) -> tuple[Any, Any]:
         """(model, optimizer) for this rank, from a copy of ``base``."""
+
+    def compile_blocks(self, model: nn.Module) -> nn.Module:
+        """With ``compiled``: compile each block in place (``nn.Module.compile``, torch's
+        default backend) before the system wraps or shards it; the root (embeddings, head,
+        loss) stays eager, as ``torch.compile`` of a whole groupshard model leaves it
+        (docs/usage.md#torchcompile)."""
+        if self.compiled:
+            for block in model.blocks:
+                block.compile()
+        return model
 
     @contextlib.contextmanager
     def micro_batch(self, model: Any, last: bool) -> Iterator[None]:

@@ -70,10 +70,11 @@ class ShardedRuntime:
         register_optimizer_hooks()
         for unit in self.units:
             module = unit.module
+            pre_forward, post_forward = self._pre_forward_hook(unit), self._post_forward_hook(unit)
             self._handles.append(
-                module.register_forward_pre_hook(self._pre_forward_hook(unit), with_kwargs=True)
+                module.register_forward_pre_hook(_eager(pre_forward), with_kwargs=True)
             )
-            self._handles.append(module.register_forward_hook(self._post_forward_hook(unit)))
+            self._handles.append(module.register_forward_hook(_eager(post_forward)))
             for storage in unit.storages:
                 if storage.layout.trainable_buffers:
                     self._handles.append(
@@ -220,3 +221,10 @@ class ShardedRuntime:
 def _in_backward() -> bool:
     """Whether autograd is running a backward (a forward now is a recomputation)."""
     return torch._C._current_graph_task_id() != -1
+
+
+def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook`` run as plain Python under ``torch.compile``: dynamo skips it and whatever it
+    calls (a graph break on each side of it) instead of tracing the gathers and guarding on
+    the hooks' state, which recompiled every step (FSDP2 skips its hooks the same way)."""
+    return torch.compiler.disable(hook, recursive=True)
