@@ -42,6 +42,12 @@ COMPILE_ROWS = "|".join(
     f"^{re.escape(name)}$" for pair in COMPILE_PARTNERS.items() for name in pair
 )
 """``--rows`` for the compiled rows and their eager rows only."""
+CHECKPOINT_PARTNERS = {f"{name}, checkpointed": name for name in ("FSDP2", "groupshard full")}
+"""Each activation-checkpointed row (``--checkpointing``) and the same system without."""
+CHECKPOINT_ROWS = "|".join(
+    f"^{re.escape(name)}$" for pair in CHECKPOINT_PARTNERS.items() for name in pair
+)
+"""``--rows`` for the checkpointed rows and their rows without checkpointing only."""
 
 
 def _precision_rows(deepspeed: bool, micro_batches: int) -> dict[str, System]:
@@ -95,15 +101,25 @@ def _compiled_rows() -> dict[str, System]:
     }
 
 
+def _checkpointed_rows() -> dict[str, System]:
+    """Each block's forward under torch.utils.checkpoint; compared with FSDP2 alike."""
+    options = dict(checkpointed=True, baseline="FSDP2, checkpointed")
+    return {
+        "FSDP2, checkpointed": FSDP2(**options),
+        "groupshard full, checkpointed": Groupshard("full", **options),
+    }
+
+
 def systems(
     lamb: bool = True,
     micro_batches: int = MICRO_BATCHES,
     muon: bool = False,
     compiled: bool = False,
+    checkpointed: bool = False,
 ) -> dict[str, System]:
     """Every row: AdamW in the two groups (decay / no decay) unless named; LAMB rows with
-    ``lamb``, Muon rows with ``muon``, compiled rows with ``compiled``; DeepSpeed's only
-    where it is installed."""
+    ``lamb``, Muon rows with ``muon``, compiled rows with ``compiled``, activation-
+    checkpointed rows with ``checkpointed``; DeepSpeed's only where it is installed."""
     deepspeed = deepspeed_available()
     table: dict[str, System] = {
         "DDP": DDP(),
@@ -130,4 +146,6 @@ def systems(
         table.update(_muon_rows(deepspeed))
     if compiled:
         table.update(_compiled_rows())
+    if checkpointed:
+        table.update(_checkpointed_rows())
     return table

@@ -1,8 +1,8 @@
 """The project benchmark: the same training step, every system, interleaved in one run.
 
     python benchmarks/run.py [--model 4m|small-params|30m|tiny] [--world-size 2] [--rounds 10]
-                             [--device cpu|cuda] [--rss] [--rows REGEX|muon-only|compile-only]
-                             [--muon] [--compile]
+                             [--device cpu|cuda] [--rss] [--muon] [--compile] [--checkpointing]
+                             [--rows REGEX|muon-only|compile-only|checkpoint-only]
 
 Systems: DDP, torch ZeroRedundancyOptimizer + DDP, FSDP2 (``fully_shard`` per block
 and root), FSDP1 (``use_orig_params``, per block), DeepSpeed ZeRO 1/2/3 (when
@@ -40,6 +40,11 @@ stays eager, as ``torch.compile`` of a whole groupshard model leaves it. The
 warm-up steps take the compile; the ratio column is to "FSDP2, compiled", and each row's
 eager row is the same name without ", compiled" (``--rows compile-only``: these rows and
 their eager rows alone).
+
+Activation checkpointing (``--checkpointing``): "FSDP2, checkpointed" and "groupshard full,
+checkpointed" run each block's forward under non-reentrant ``torch.utils.checkpoint``
+(recomputed in backward); ``--rows checkpoint-only --rss`` gives their step times and
+peak RSS per rank beside the same systems without it.
 
 Mixed precision and gradient accumulation: groupshard full, FSDP2 and DeepSpeed ZeRO-3 in
 bf16 (gathered and computing in bf16, gradients reduced in fp32 into fp32 masters:
@@ -101,7 +106,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from optimizers import LR, adamw, decay_groups, muon_groups, torch_muon
-from rows import COMPILE_ROWS, MICRO_BATCHES, MUON_PARTNERS, MUON_ROWS, systems
+from rows import CHECKPOINT_ROWS, COMPILE_ROWS, MICRO_BATCHES, MUON_PARTNERS, MUON_ROWS, systems
 from systems import System, device, unique_bytes
 from torch import nn
 
@@ -397,7 +402,7 @@ def _worker(rank: int, args: argparse.Namespace, store_path: str, result_path: s
     torch.manual_seed(0)
     base = GPT(config).to(device())
     table = systems(lamb=not args.no_lamb, micro_batches=args.micro_batches, muon=args.muon,
-                    compiled=args.compile)  # fmt: skip
+                    compiled=args.compile, checkpointed=args.checkpointing)  # fmt: skip
     if args.only:
         table = {args.only: table[args.only]}
     if args.rows:
@@ -808,6 +813,12 @@ def main(argv: list[str] | None = None) -> int:
              "rows and the same systems eager only (implies --compile)",
     )  # fmt: skip
     parser.add_argument(
+        "--checkpointing", action="store_true",
+        help="add the rows with each block's forward under torch.utils.checkpoint; --rows "
+             "checkpoint-only: those rows and the same systems without only (implies "
+             "--checkpointing); with --rss, each system's peak RSS shows what it saves",
+    )  # fmt: skip
+    parser.add_argument(
         "--micro-batches", type=int, default=MICRO_BATCHES,
         help="micro-batches per optimizer step in the accumulation rows (at least 2)",
     )  # fmt: skip
@@ -824,6 +835,8 @@ def main(argv: list[str] | None = None) -> int:
         args.rows, args.muon = MUON_ROWS, True
     if args.rows == "compile-only":
         args.rows, args.compile = COMPILE_ROWS, True
+    if args.rows == "checkpoint-only":
+        args.rows, args.checkpointing = CHECKPOINT_ROWS, True
     if args.micro_batches < 2:
         parser.error(f"--micro-batches must be at least 2, got {args.micro_batches}")
     report = run(args)

@@ -4,6 +4,7 @@ and the hooks the measurements read (unsharded parameters, held bytes)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 def device() -> torch.device:
@@ -57,11 +59,12 @@ class System(ABC):
     muon: bool = False  # Muon + AdamW: compared with a torch.optim.Muon + AdamW reference
     baseline: str = "FSDP2"  # the row its step time is compared with
     compiled: bool = False  # each block's forward compiled (``Block.compile()``, inductor)
+    checkpointed: bool = False  # each block's forward under torch.utils.checkpoint
 
     accumulates: ClassVar[bool] = False
     """Whether ``micro_batch`` can accumulate gradients without syncing them."""
-    compiles: ClassVar[bool] = False
-    """Whether ``build`` compiles the blocks (``compile_blocks``) where ``compiled`` is set."""
+    prepares_blocks: ClassVar[bool] = False
+    """Whether ``build`` applies ``compiled`` and ``checkpointed`` (``prepare_blocks``)."""
     collectives_in_comm: ClassVar[bool] = False
     """Whether its gathered and reduced bytes are counted in groupshard's comm functions
     (else read from the sizes torch.profiler records)."""
@@ -69,20 +72,24 @@ class System(ABC):
     def __post_init__(self) -> None:
         if self.micro_batches > 1 and not self.accumulates:
             raise ValueError(f"{type(self).__name__} has no gradient accumulation rows")
-        if self.compiled and not self.compiles:
-            raise ValueError(f"{type(self).__name__} has no compiled rows")
+        if (self.compiled or self.checkpointed) and not self.prepares_blocks:
+            raise ValueError(f"{type(self).__name__} has no compiled or checkpointed rows")
 
     @abstractmethod
     def build(self, base: nn.Module) -> tuple[Any, Any]:
         """(model, optimizer) for this rank, from a copy of ``base``."""
 
-    def compile_blocks(self, model: nn.Module) -> nn.Module:
-        """With ``compiled``: compile each block in place (``nn.Module.compile``, torch's
-        default backend) before the system wraps or shards it; the root (embeddings, head,
-        loss) stays eager, as ``torch.compile`` of a whole groupshard model leaves it
-        (docs/usage.md#torchcompile)."""
-        if self.compiled:
-            for block in model.blocks:
+    def prepare_blocks(self, model: nn.Module) -> nn.Module:
+        """Before the system wraps or shards the model: with ``checkpointed``, each block's
+        forward runs under non-reentrant ``torch.utils.checkpoint`` (its activations are
+        recomputed in backward; names and results unchanged); with ``compiled``, each block
+        is compiled in place (``nn.Module.compile``, torch's default backend), the root
+        (embeddings, head, loss) eager, as ``torch.compile`` of a whole groupshard model
+        leaves it (docs/usage.md#torchcompile)."""
+        for block in model.blocks:
+            if self.checkpointed:
+                block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+            if self.compiled:
                 block.compile()
         return model
 

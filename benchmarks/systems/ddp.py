@@ -17,11 +17,11 @@ class DDP(System):
     """``DistributedDataParallel`` with AdamW, or (``muon``) torch.optim.Muon + AdamW: every
     rank orthogonalizes every matrix, the replicated baseline of the Muon rows."""
 
-    compiles = True
+    prepares_blocks = True
 
     def build(self, base: nn.Module) -> tuple[nn.Module, Any]:
         from torch.nn.parallel import DistributedDataParallel
 
-        model = self.compile_blocks(copy.deepcopy(base))
+        model = self.prepare_blocks(copy.deepcopy(base))
         wrapped = DistributedDataParallel(model)
         return wrapped, torch_muon(muon_groups(model)) if self.muon else adamw(decay_groups(model))

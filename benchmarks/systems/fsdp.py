@@ -57,7 +57,7 @@ class FSDP2(System):
     full_tensor_muon: bool = False
 
     accumulates = True
-    compiles = True
+    prepares_blocks = True
 
     def build(self, base: nn.Module) -> tuple[nn.Module, Any]:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -65,7 +65,7 @@ class FSDP2(System):
         policy = MixedPrecisionPolicy()  # FSDP2's default: no casts
         if self.bf16:
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        model = self.compile_blocks(copy.deepcopy(base))
+        model = self.prepare_blocks(copy.deepcopy(base))
         for block in model.blocks:
             fully_shard(block, mp_policy=policy)
         fully_shard(model, mp_policy=policy)

@@ -33,13 +33,13 @@ class Groupshard(System):
     reduce_bucket_bytes: int | None = None
 
     accumulates = True
-    compiles = True
+    prepares_blocks = True
     collectives_in_comm = True
 
     def build(self, base: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
         policy = gs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         optional = {"overlap": self.overlap, "reduce_bucket_bytes": self.reduce_bucket_bytes}
-        model = self.compile_blocks(copy.deepcopy(base))
+        model = self.prepare_blocks(copy.deepcopy(base))
         model = gs.shard(
             model, (muon_groups if self.muon else self.groups)(model), unit=Block,
             strategy=self.strategy, prefetch_bytes=self.prefetch_bytes,
