@@ -23,6 +23,7 @@ import argparse
 import difflib
 import json
 import re
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -437,7 +438,34 @@ def construction_table(reports: list[Report]) -> Lines:
     return markdown(header, rows)
 
 
+def before_after_table(reports: list[Report]) -> Lines:
+    """An A/B of two commits, runs interleaved (``{"old": [runs], "new": [runs]}``): each
+    row's median step time and median ratio to DDP over the runs, before and after."""
+    report = one(reports, "before-after")
+    runs = {side: [run["rows"] for run in report[side]] for side in ("old", "new")}
+    header = ["system", "ms/step before", "ms/step after", "x DDP before", "x DDP after"]
+    rows = []
+    for name in runs["old"][0]:
+
+        def median_of(side: str, ratio: bool, name: str = name) -> float:
+            values = [
+                rows[name]["step_ms"] / (rows["DDP"]["step_ms"] if ratio else 1.0)
+                for rows in runs[side]
+            ]
+            return statistics.median(values)
+
+        rows.append([
+            name,
+            f"{median_of('old', False):.1f}",
+            f"{median_of('new', False):.1f}",
+            f"{median_of('old', True):.3f}",
+            f"{median_of('new', True):.3f}",
+        ])  # fmt: skip
+    return markdown(header, rows)
+
+
 KINDS: dict[str, Callable[[list[Report]], Lines]] = {
+    "before-after": before_after_table,
     "main": main_table,
     "ratios": ratios_table,
     "precision": precision_table,
