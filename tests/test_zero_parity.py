@@ -208,20 +208,29 @@ def _equal_layers(world_size):
     return nn.Sequential(*(nn.Linear(*size, bias=False) for size in sizes))
 
 
-def closure_case(rank, world_size):
+def _ours_and_torchs(world_size, optimizer_class, train):
+    """``train(ddp, optimizer, calls)`` on one model with ours and on a copy with torch's
+    ZeroRedundancyOptimizer: the state dicts' largest difference, and the calls recorded."""
     model = _equal_layers(world_size)
     torch_model = copy.deepcopy(model)
-    inputs = torch.randn(3, 8, 4, generator=torch.Generator().manual_seed(rank))
     calls = {}
     for name, module, zero_class in (("ours", model, gs.ZeroRedundancyOptimizer),
                                      ("torch", torch_model, TorchZero)):  # fmt: skip
-        ddp = DDP(module)
-        optimizer = zero_class(module.parameters(), LookTwice, lr=0.1)
         calls[name] = []
+        train(DDP(module), zero_class(module.parameters(), optimizer_class, lr=0.1), calls[name])
+    return max_difference(model.state_dict(), torch_model.state_dict()), calls
+
+
+def closure_case(rank, world_size):
+    inputs = torch.randn(3, 8, 4, generator=torch.Generator().manual_seed(rank))
+
+    def train(ddp, optimizer, calls):
         for x in inputs:
-            optimizer.step(_regression_closure(ddp, optimizer, x, x, calls[name]))
+            optimizer.step(_regression_closure(ddp, optimizer, x, x, calls))
+
+    difference, calls = _ours_and_torchs(world_size, LookTwice, train)
     assert len(calls["ours"]) == len(calls["torch"]) == 6
-    return max_difference(model.state_dict(), torch_model.state_dict())
+    return difference
 
 
 def test_closure_evaluated_by_the_local_optimizer_matches_torch_zero(run_ranks):
@@ -343,3 +352,99 @@ def test_overlap_with_ddp_says_what_to_use_instead():
         gs.ZeroRedundancyOptimizer(params, torch.optim.SGD, overlap_with_ddp=True, lr=0.1)
     zero = gs.ZeroRedundancyOptimizer(params, torch.optim.SGD, None, False, False, lr=0.1)
     assert "overlap_with_ddp" not in zero.optim.defaults
+
+
+# A rank's slice of a bucket that holds padding only: one scalar at world size 2, a few
+# elements at world size 4 (torch's test file steps a [1] parameter at world size 2).
+PADDING_ONLY = [(2, [1]), (4, [3]), (4, [5]), (4, [6]), (4, [1, 1, 1])]
+
+
+def padding_only_case(rank, world_size, sizes):
+    differences = []
+    for bucket_view in (False, True):
+        for optimizer_class, kwargs in MISSING_GRADIENT_OPTIMIZERS.values():
+            torch.manual_seed(0)
+            params = [nn.Parameter(torch.randn(n)) for n in sizes]
+            twins = [nn.Parameter(p.detach().clone()) for p in params]
+            plain = [nn.Parameter(p.detach().clone()) for p in params]
+            zero = gs.ZeroRedundancyOptimizer(
+                params, optimizer_class, parameters_as_bucket_view=bucket_view, **kwargs
+            )
+            theirs = TorchZero(twins, optimizer_class, **kwargs)
+            reference = optimizer_class(plain, **kwargs)
+            for step in range(3):
+                generator = torch.Generator().manual_seed(step)
+                grads = [torch.randn(n, generator=generator) for n in sizes]
+                for tensors, optimizer in ((params, zero), (twins, theirs), (plain, reference)):
+                    _set_grads(tensors, grads)
+                    optimizer.step()
+            differences += [(p - q).abs().max().item() for p, q in zip(params, plain, strict=True)]
+            differences += [(p - q).abs().max().item() for p, q in zip(params, twins, strict=True)]
+            zero.consolidate_state_dict(to=0)
+            if rank == 0:
+                saved, expected = zero.state_dict()["state"], reference.state_dict()["state"]
+                differences += [
+                    (saved[i][key] - value).abs().max().item()
+                    for i, state in expected.items()
+                    for key, value in state.items()
+                ]
+            zero.load_state_dict(reference.state_dict())  # each rank keeps its slice, or none
+    return max(differences)
+
+
+@pytest.mark.parametrize(("world_size", "sizes"), PADDING_ONLY)
+def test_slice_of_padding_only_steps_as_torch(run_ranks, world_size, sizes):
+    assert max(run_ranks(world_size, padding_only_case, sizes)) <= TOLERANCE
+
+
+class IgnoresClosure(torch.optim.SGD):
+    """torch's test file: a local optimizer whose ``step`` takes a keyword and ignores the
+    closure it is given, stepping from the gradients already there."""
+
+    def step(self, closure=None, calls=None):
+        super().step()
+        calls.append(5)
+
+
+def closure_ignored_case(rank, world_size):
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(rank))
+
+    def train(ddp, optimizer, calls):
+        for _ in range(2):
+            ddp(x).square().mean().backward()
+            optimizer.step(_regression_closure(ddp, optimizer, x, x, []), calls=calls)
+
+    difference, calls = _ours_and_torchs(world_size, IgnoresClosure, train)
+    assert calls == {"ours": [5, 5], "torch": [5, 5]}
+    return difference
+
+
+def test_local_optimizer_that_ignores_the_closure_steps_from_the_gradients(run_ranks):
+    calls = []
+    x = nn.Parameter(torch.tensor([1.0]))
+    zero = gs.ZeroRedundancyOptimizer([x], IgnoresClosure, lr=0.1)
+    x.backward()
+    zero.step(0, calls=calls)  # torch's test_step_with_kwargs, closure and all
+    assert calls == [5]
+    assert x.item() == pytest.approx(0.9)
+    assert max(run_ranks(2, closure_ignored_case)) <= TOLERANCE
+
+
+def test_parameter_in_a_group_of_its_own_keeps_its_own_step():
+    """docs/zero.md's remedy for the one difference: Adam over a parameter that misses
+    gradients, given a param group of its own, matches torch.optim exactly."""
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(shape)) for shape in SHAPES]
+    plain = [nn.Parameter(p.detach().clone()) for p in params]
+    groups = [{"params": params[:1]}, {"params": params[1:]}]
+    zero = gs.ZeroRedundancyOptimizer(groups, torch.optim.Adam, lr=0.1)
+    reference = torch.optim.Adam([{"params": plain[:1]}, {"params": plain[1:]}], lr=0.1)
+    for step in range(4):
+        grads = [torch.randn(shape) for shape in SHAPES]
+        grads[0] = None if step % 2 else grads[0]
+        for tensors, optimizer in ((params, zero), (plain, reference)):
+            _set_grads(tensors, grads)
+            optimizer.step()
+    assert max((p - q).abs().max().item() for p, q in zip(params, plain, strict=True)) <= 1e-7
+    zero.consolidate_state_dict()
+    assert [s["step"].item() for s in zero.state_dict()["state"].values()] == [2.0, 4.0, 4.0]

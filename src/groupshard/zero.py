@@ -195,6 +195,8 @@ class _Bucket:
                     param.data = view
             return
         pieces = self.segments.pieces
+        if not pieces:  # this rank's slice is padding only (e.g. one scalar at world 2)
+            return
         torch._foreach_copy_(
             [self._shard_piece(s) for s in pieces],
             [_flat_piece(self.params[s.param_index], s.param_offset, s.numel) for s in pieces],
@@ -491,7 +493,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         """``closure`` for the local optimizer: every evaluation but the first sees this
         rank's slices as the optimizer has changed them so far (as torch's ZeRO, whose
         local optimizer holds the parameters themselves), and is followed by loading the
-        gradient slices; the first also decides which parameters have no gradient."""
+        gradient slices; the first also decides anew which parameters have no gradient
+        (``restores`` holds what was decided from the gradients before the step)."""
         buckets = self._all_buckets
         evaluations = 0
 
@@ -506,7 +509,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                 for bucket in buckets:
                     bucket.load_shard_gradient()
                 if not evaluations:
-                    restores.extend(self._keep_parameters_without_gradient())
+                    restores[:] = self._keep_parameters_without_gradient()
             evaluations += 1
             return loss
 
@@ -518,7 +521,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
 
         ``closure`` goes to the local optimizer: each evaluation (with gradients enabled)
         is followed by loading this rank's gradient slices, and it sees this rank's part
-        of the parameters as the local optimizer has changed it so far.
+        of the parameters as the local optimizer has changed it so far. The gradients
+        present before the step are loaded first, as torch's local optimizer holds them
+        too: a local optimizer that ignores the closure steps from them.
         """
         Join.notify_join_context(self)
         if not self._replicas_checked:
@@ -527,11 +532,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         for bucket in buckets:
             bucket.pull_parameters()
         self._sync(self.param_groups, self.optim.param_groups)
-        restores: list[Callable[[], None]] = []
+        for bucket in buckets:
+            bucket.load_shard_gradient()
+        restores = self._keep_parameters_without_gradient()
         if closure is None:
-            for bucket in buckets:
-                bucket.load_shard_gradient()
-            restores = self._keep_parameters_without_gradient()
             loss = self.optim.step(**kwargs)
         else:
             loss = self.optim.step(closure=self._local_closure(closure, restores), **kwargs)
