@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import errno
+import io
 import os
 from unittest import mock
 
 import pytest
 import torch
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 
 import groupshard as gs
 from groupshard.cli.model import Block
@@ -236,6 +239,67 @@ def test_crash_during_save_keeps_previous_checkpoint(run_ranks, tmp_path):
         assert "failed on some rank; the previous checkpoint there (if any) is intact" in crashed
         assert difference == 0.0
         assert leftovers == ["ckpt"]
+
+
+class _AlmostFullDevice(io.FileIO):
+    """A file on a device with 300 bytes left: a longer write fails with ENOSPC (which
+    torch.save, writing a tensor, turns into "unexpected pos")."""
+
+    def write(self, data):
+        if self.tell() + memoryview(data).nbytes > 300:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return super().write(data)
+
+
+@contextlib.contextmanager
+def _almost_full(filesystem, path, mode):
+    with _AlmostFullDevice(path, mode) as stream:
+        yield stream
+
+
+def no_space_case(rank, world_size, path):
+    model, optimizer = sharded(rank, world_size)
+    train(model, optimizer, batches()[:2], rank, world_size)
+    gs.checkpoint.save(path, model, optimizer, extra={"step": 2})
+    previous = sum(entry.stat().st_size for entry in os.scandir(path))
+    train(model, optimizer, batches()[2:4], rank, world_size)
+    errors = []
+    full = [  # rank 1's data files; rank 0's description, written last
+        mock.patch.object(FileSystem, "create_stream", _almost_full),
+        mock.patch.object(gs.checkpoint.folders, "write_meta", side_effect=OSError(
+            errno.ENOSPC, os.strerror(errno.ENOSPC))),
+    ]  # fmt: skip
+    for patch, failing_rank in zip(full, (1, 0), strict=True):
+        error = None
+        with patch if rank == failing_rank else contextlib.nullcontext():
+            try:
+                gs.checkpoint.save(path, model, optimizer, extra={"step": 4})
+            except gs.checkpoint.NoSpaceError as caught:
+                error = (str(caught), caught.errno, caught.needed, isinstance(caught, OSError))
+        kept = gs.checkpoint.read_extra(path)["step"], sorted(os.listdir(os.path.dirname(path)))
+        errors.append((error, kept))
+    gs.checkpoint.save(path, model, optimizer, extra={"step": 4})  # once there is room
+    return errors, previous, gs.checkpoint.read_extra(path)["step"]
+
+
+def test_a_full_device_says_so_on_every_rank_and_keeps_the_previous_checkpoint(
+    run_ranks, tmp_path
+):
+    path = str(tmp_path / "ckpt")
+    results = run_ranks(2, no_space_case, path)
+    assert results[0] == results[1]  # the same error on both ranks, whichever rank failed
+    errors, previous, step = results[0]
+    for error, kept in errors:
+        assert error is not None and kept == (2, ["ckpt"])  # intact, no leftovers
+        message, code, needed, is_os_error = error
+        assert (code, needed, is_os_error) == (errno.ENOSPC, previous, True)
+        free = int(message.split(" bytes, ")[1].split(" are free")[0].replace(",", ""))
+        assert message == (
+            f"no space left on device in {tmp_path} to save the checkpoint {path}: it needs "
+            f"about {previous:,} bytes, {free:,} are free; the previous checkpoint there (if "
+            "any) is intact"
+        )
+    assert step == 4
 
 
 PLAIN_OPTIMIZERS = {

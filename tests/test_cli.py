@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -18,11 +19,13 @@ import pytest
 import torch
 
 import groupshard as gs
+from groupshard.cli import report
 
 TIMEOUT = 300
 TINY = ["--model", "tiny", "--batch-size", "4"]
 STEPS = ["--steps", "60", "--eval-every", "20"]
 PROGRESS = re.compile(r"\s*\d+%\|")  # a line of tqdm's progress bar
+WARNING = re.compile("groupshard train: warning: ")
 
 
 def groupshard(*args, check=True):
@@ -75,13 +78,14 @@ def _wait_for_rows(process, out, count):
     raise AssertionError(f"no {count} rows in {log}: {process.communicate()[1][-3000:]}")
 
 
-def _workers(launcher):
-    """The pids of the launcher's worker processes (its multiprocessing spawn children)."""
+def _workers(launcher, marker=b"spawn_main"):
+    """The pids of the launcher's worker processes (its multiprocessing spawn children, or
+    those whose command line holds ``marker``)."""
     pids = []
     for proc in Path("/proc").iterdir():
         try:
             parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if parent == launcher.pid and b"spawn_main" in (proc / "cmdline").read_bytes():
+            if parent == launcher.pid and marker in (proc / "cmdline").read_bytes():
                 pids.append(int(proc.name))
         except (OSError, ValueError, IndexError):
             continue
@@ -123,7 +127,7 @@ def test_train_end_to_end(tmp_path):
     for group in summary["groups"]:
         row = next(line.split() for line in printed if line.startswith(group["group"] + " "))
         assert row[1:3] == [str(group["tensors"]), f"{group['elements']:,}"], row
-    assert "    " + summary["sample"]["text"].splitlines()[0] in printed
+    assert "    " + report.printable(summary["sample"]["text"].split("\n")[0]) in printed
 
 
 @pytest.mark.parametrize(
@@ -188,8 +192,10 @@ def test_bad_inputs_give_one_line_errors(tmp_path, uninterrupted):
 
 
 def _lines(stderr):
-    """The lines of ``stderr`` but the progress bar's (text mode reads its \\r as a newline)."""
-    return [line for line in stderr.strip().splitlines() if not PROGRESS.match(line)]
+    """The lines of ``stderr`` but the progress bar's (text mode reads its \\r as a newline)
+    and a warning (of more processes than cores, on a machine with one core)."""
+    lines = stderr.strip().splitlines()
+    return [line for line in lines if not PROGRESS.match(line) and not WARNING.match(line)]
 
 
 def test_nonfinite_loss_stops_at_once_and_keeps_the_last_good_checkpoint(tmp_path):
@@ -503,3 +509,203 @@ def test_fp16_skips_overflowing_steps_and_resumes_bit_identically(tmp_path):
     assert expected.keys() == resumed.keys()
     for name in expected:
         assert torch.equal(expected[name], resumed[name]), name
+
+
+def _timeless(rows):
+    return [{key: value for key, value in row.items() if key != "tokens_per_s"} for row in rows]
+
+
+def _assert_same_run(out, whole, tmp_path):
+    """``out``'s log rows (but their timing) and final weights are ``whole``'s, bit for bit."""
+    assert _timeless(_rows(out)) == _timeless(_rows(whole))
+    weights = _model_tensors(os.path.join(out, "checkpoint"), str(tmp_path / "out.pt"))
+    reference = _model_tensors(os.path.join(whole, "checkpoint"), str(tmp_path / "whole.pt"))
+    assert weights.keys() == reference.keys()
+    assert all(torch.equal(weights[name], reference[name]) for name in weights)
+
+
+def test_a_signal_sent_to_the_group_and_the_command_is_one_request(tmp_path, uninterrupted):
+    """SIGTERM, then (resumed) SIGINT, each sent to the whole process group and again to the
+    command 0.2 s later, as `timeout` sends it (SLURM and Kubernetes alike): one request to
+    stop, so the run saves, says where and exits 143 / 130, and --resume continues it as
+    the uninterrupted run went. (The second signal used to kill the workers unsaved.)"""
+    out = str(tmp_path / "run")
+    for signum, resume in ((signal.SIGTERM, []), (signal.SIGINT, ["--resume"])):
+        before = len(_rows(out)) if resume else 0
+        process = _start("train", *TINY, *STEPS, "--out", out, *resume)
+        _wait_for_rows(process, out, before + 3)
+        os.killpg(process.pid, signum)
+        time.sleep(0.2)
+        os.kill(process.pid, signum)
+        stopped = time.time()
+        _, stderr = process.communicate(timeout=TIMEOUT)
+        assert time.time() - stopped < 15, stderr[-3000:]
+        assert process.returncode == 128 + signum, stderr[-3000:]
+        saved = gs.checkpoint.read_extra(os.path.join(out, "checkpoint"))["step"]
+        assert before + 3 <= saved == len(_rows(out)) < 60
+        by = " by SIGTERM" if signum == signal.SIGTERM else ""
+        assert _lines(stderr) == [
+            f"groupshard train: interrupted{by} at step {saved}; checkpoint in {out}/checkpoint; "
+            f"continue with --resume --out {out}"
+        ]
+    assert _timeless(_rows(out)) == _timeless(_rows(uninterrupted)[:saved])
+
+
+def test_stop_requests_take_a_repeat_within_a_second_as_the_same_one(monkeypatch):
+    from groupshard.cli.main import _StopRequests
+
+    stop, clock, kills = _StopRequests(), iter([100.0, 100.5, 102.0]), []
+    monkeypatch.setattr(stop, "_clock", lambda: next(clock))
+    monkeypatch.setattr(stop, "_kill_workers", lambda: kills.append(stop.signum))
+    stop._handle(signal.SIGTERM, None)  # to the group
+    stop._handle(signal.SIGTERM, None)  # to the command, 0.5 s later: the same request
+    assert stop.event.is_set() and not stop.forced and kills == []
+    stop._handle(signal.SIGINT, None)  # 2 s after the first: Ctrl-C again, kill now
+    assert stop.forced and kills == [signal.SIGTERM]
+
+
+@contextlib.contextmanager
+def _small_tmpfs(folder, size):
+    """A tmpfs of ``size`` mounted on ``folder`` (skips the test where mounting is refused)."""
+    folder.mkdir()
+    mount = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (it takes root): {mount.stderr.strip()}")
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=True)
+
+
+def test_a_full_disk_says_so_and_resume_continues_from_the_intact_checkpoint(
+    tmp_path, uninterrupted
+):
+    """On a 2.5 MB tmpfs the checkpoint of step 10 (1.7 MB) fits, that of step 20 not: the
+    run stops, exits 1 with one line (not torch's "unexpected pos"), the checkpoint of step
+    10 intact; once there is room, --resume ends as the uninterrupted run."""
+    disk = tmp_path / "disk"
+    with _small_tmpfs(disk, "2500k"):
+        out = str(disk / "run")
+        options = [*TINY, *STEPS, "--ckpt-every", "10", "--out", out]
+        result = groupshard("train", *options, check=False)
+        assert result.returncode == 1, result.stderr[-3000:]
+        last = _lines(result.stderr)[-1]
+        found = re.fullmatch(
+            f"groupshard train: error: no space left on device in {out} for the checkpoint of "
+            r"step 20 \(it needs about ([\d,]+) bytes, ([\d,]+) are free\); the last good "
+            f"checkpoint \\(step 10\\) is kept in {out}/checkpoint; make room, then continue "
+            f"with --resume --out {out}",
+            last,
+        )
+        assert found, last
+        needed, free = (int(number.replace(",", "")) for number in found.groups())
+        assert needed > 1_500_000 > free > 0, (needed, free)
+        assert gs.checkpoint.read_extra(os.path.join(out, "checkpoint"))["step"] == 10
+        assert sorted(name for name in os.listdir(out) if "checkpoint" in name) == ["checkpoint"]
+        subprocess.run(["mount", "-o", "remount,size=8m", str(disk)], check=True)
+        groupshard("train", *options, "--resume")
+        _assert_same_run(out, uninterrupted, tmp_path)
+
+
+def test_torchrun_restarts_continue_from_the_newest_checkpoint(tmp_path, uninterrupted):
+    """Under torchrun --max-restarts 1, a worker SIGKILLed after the checkpoint of step 10:
+    torchrun restarts both, they resume from step 10 by themselves (no --resume) and the run
+    ends as the uninterrupted one."""
+    out = str(tmp_path / "run")
+    torchrun = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "--max-restarts", "1", "-m", "groupshard", "train", *TINY, *STEPS, "--ckpt-every",
+         "10", "--out", out],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    _wait_for_rows(torchrun, out, 13)
+    os.kill(_workers(torchrun, marker=b"groupshard")[-1], signal.SIGKILL)
+    _, stderr = torchrun.communicate(timeout=TIMEOUT)
+    assert torchrun.returncode == 0, stderr[-3000:]
+    with open(os.path.join(out, "summary.json")) as handle:
+        assert json.load(handle)["start_step"] == 10  # resumed, not started again
+    _assert_same_run(out, uninterrupted, tmp_path)
+
+
+def _group(pgid):
+    """The states (R, S, T, ...) of the processes in process group ``pgid``."""
+    states = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid:
+                states.append(fields[0])
+    return states
+
+
+def _inside_a_save(out):
+    """The temporary folders of a save under way: data files written, no description yet."""
+    return [
+        folder
+        for folder in Path(out).glob("checkpoint.tmp-*")
+        if any(folder.glob("*.distcp")) and not (folder / gs.checkpoint.META_FILE).exists()
+    ]
+
+
+def _kill_inside_a_save(process, out):
+    """SIGKILL ``process``'s group while a save is under way: seen from outside, the group
+    frozen (SIGSTOP) and the save found still unfinished, else let go until the next one."""
+    deadline = time.time() + TIMEOUT
+    while process.poll() is None and time.time() < deadline:
+        if _inside_a_save(out):
+            os.killpg(process.pid, signal.SIGSTOP)
+            frozen = time.time() + 10
+            while any(state not in "TZ" for state in _group(process.pid)) and time.time() < frozen:
+                time.sleep(0.001)
+            if _inside_a_save(out):  # frozen inside it
+                os.killpg(process.pid, signal.SIGKILL)
+                process.communicate(timeout=TIMEOUT)
+                return
+            os.killpg(process.pid, signal.SIGCONT)
+        time.sleep(0.001)
+    raise AssertionError(f"no save caught under way: {process.communicate()[1][-3000:]}")
+
+
+def test_killed_anywhere_even_inside_a_save_then_resumed_ends_bit_identical(
+    tmp_path, uninterrupted
+):
+    """SIGKILL to the command's whole process group inside a save, while a resumed run
+    starts, and between two checkpoints; --resume after each, and the run ends with the
+    uninterrupted run's rows and weights."""
+    out = str(tmp_path / "run")
+    options = [*TINY, *STEPS, "--ckpt-every", "5", "--out", out]
+    process = _start("train", *options)
+    _wait_for_rows(process, out, 6)  # the checkpoint of step 5 is complete: kill in a later
+    _kill_inside_a_save(process, out)
+    assert len(_inside_a_save(out)) == 1  # the unfinished save's folder, left behind
+    process = _start("train", *options, "--resume")
+    while len(_workers(process)) < 2 and process.poll() is None:  # they import, then load
+        time.sleep(0.01)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.communicate(timeout=TIMEOUT)
+    saved = gs.checkpoint.read_extra(os.path.join(out, "checkpoint"))["step"]
+    process = _start("train", *options, "--resume")
+    _wait_for_rows(process, out, saved + 7)  # past the next checkpoint, before another
+    os.killpg(process.pid, signal.SIGKILL)
+    process.communicate(timeout=TIMEOUT)
+    groupshard("train", *options, "--resume")
+    assert sorted(name for name in os.listdir(out) if "checkpoint" in name) == ["checkpoint"]
+    _assert_same_run(out, uninterrupted, tmp_path)
+
+
+def test_more_processes_than_cores_warns_once(tmp_path, monkeypatch, capsys):
+    from groupshard.cli import main
+
+    monkeypatch.setattr(main, "_cpu_cores", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(main, "_launch", lambda config, nproc: 0)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for nproc, out in (("3", "over"), ("2", "fits")):
+        assert main.main(["train", *TINY, "--nproc", nproc, "--out", str(tmp_path / out)]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        "groupshard train: warning: --nproc 3 is more than the 2 CPU cores here: the processes "
+        "will share cores, which makes training slower per token (--nproc 2 or less avoids it)"
+    ]

@@ -54,3 +54,25 @@ def test_group_table_is_narrow_and_has_a_row_per_group():
     assert lines[1].split() == ["decay", "18", "835,584", "0.1", "0.0003", "0.87", "33"]
     assert lines[2].split() == ["no_decay", "30", "5,376", "0", "0.0003", "-", "33.66"]
     assert max(len(line) for line in lines) < 100
+
+
+def test_the_printed_sample_escapes_what_a_terminal_would_act_on(tmp_path, capsys):
+    text = "def f():\n\treturn '\x1b[2J\x07'\r\x00 é\n"
+    summary = {"status": "finished", "step": 1, "steps": 1, "tokens_per_s": 1.0,
+               "world_size": 1, "peak_rss_bytes_per_rank": [2**20], "parameters_per_rank": 1,
+               "parameters_total": 1,
+               "sample": {"text": text, "prompt_bytes": 8, "new_bytes": 12}}  # fmt: skip
+    report.finish(tmp_path, summary)
+    printed = capsys.readouterr().out
+    assert "    def f():\n    \treturn '\\x1b[2J\\x07'\\r\\x00 é\n" in printed
+    assert not any(ord(c) < 32 and c not in "\n\t" for c in printed), repr(printed)
+
+
+def test_a_folder_without_text_files_says_which_names_count(tmp_path):
+    (tmp_path / "notes.bin").write_bytes(b"not text")
+    with pytest.raises(ValueError) as error:
+        corpus.corpus_files(str(tmp_path))
+    assert str(error.value) == (
+        f"--data {tmp_path}: the folder has no text files (files whose names end in .c, .csv, "
+        ".h, .html, .json, .md, .py, .rst, .txt or .xml)"
+    )

@@ -18,8 +18,9 @@ it, on every rank.
 Saving is atomic: everything is written to a temporary directory that replaces
 ``path`` only once complete, so a crash leaves the previous checkpoint intact; a load
 finds the newest complete checkpoint even among leftovers of interrupted saves
-(``folders``). Optimizer state is cast to its parameter's dtype on load, as torch's
-``Optimizer.load_state_dict`` does.
+(``folders``). A save that finds the device full raises a :class:`NoSpaceError` on every
+rank, with the bytes needed and free. Optimizer state is cast to its parameter's dtype on
+load, as torch's ``Optimizer.load_state_dict`` does.
 
 Modules: ``sharded`` (save, load, exists, read_extra), ``pieces`` (what a sharded
 model, or a ZeRO optimizer and its model, holds as entries), ``planner`` (the DCP
@@ -30,7 +31,7 @@ planners), ``codec`` (JSON values), ``conversion`` (one plain ``torch.save`` fil
 from __future__ import annotations
 
 from groupshard.checkpoint.conversion import to_torch_save
-from groupshard.checkpoint.errors import CheckpointError, UnsafeCheckpointError
+from groupshard.checkpoint.errors import CheckpointError, NoSpaceError, UnsafeCheckpointError
 from groupshard.checkpoint.folders import FORMAT, META_FILE
 from groupshard.checkpoint.sharded import exists, load, read_extra, save
 
@@ -38,6 +39,7 @@ __all__ = [
     "FORMAT",
     "META_FILE",
     "CheckpointError",
+    "NoSpaceError",
     "UnsafeCheckpointError",
     "exists",
     "load",

@@ -7,16 +7,24 @@ file (``groupshard.json``, written last and atomically) is there. The descriptio
 records a save counter, ``serial``, so the newest complete checkpoint is found by
 content, never by the order of random folder names; a finished save removes the
 leftovers.
+
+A write that fails for want of space raises the OSError itself (``FileWriter``), so that
+``save`` can say so (:class:`NoSpaceError`) rather than pass on torch's "unexpected pos".
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from torch.distributed.checkpoint import FileSystemWriter
 
 from groupshard.checkpoint.errors import CheckpointError
 
@@ -25,6 +33,7 @@ FORMAT = "groupshard-checkpoint-1"
 _TEMPORARY, _PREVIOUS = ".tmp-", ".old-"
 # What every description holds (the loader relies on them); "serial" is absent in older ones.
 _REQUIRED = {"params": dict, "buffers": dict, "extra": dict, "extra_tensors": dict}
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a full device, a full quota
 
 
 def read_meta(directory: Path) -> dict[str, Any]:
@@ -118,3 +127,61 @@ def replace(temporary: Path, path: Path, serial: int) -> None:
     os.replace(temporary, path)
     for leftover in _leftovers(path):
         shutil.rmtree(leftover, ignore_errors=True)
+
+
+def size(path: Path) -> int:
+    """The bytes of the newest complete checkpoint at ``path`` (0 if there is none)."""
+    try:
+        folder, _ = newest(path)
+        return sum(file.stat().st_size for file in folder.iterdir() if file.is_file())
+    except (OSError, CheckpointError):
+        return 0
+
+
+def free_bytes(folder: Path) -> int:
+    """The bytes this user may still write on ``folder``'s device."""
+    return shutil.disk_usage(folder).free
+
+
+def os_error_in(error: BaseException | None) -> OSError | None:
+    """The OSError (with an errno) that ``error`` is or was raised from, if any. torch.save
+    reports a failed write as a RuntimeError ("unexpected pos ..."), the OSError only as its
+    ``__context__``."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, OSError) and error.errno is not None:
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def no_space(error: BaseException | None) -> bool:
+    """Whether ``error`` is, or was raised from, a write that found no space left."""
+    found = os_error_in(error)
+    return found is not None and found.errno in NO_SPACE
+
+
+@contextmanager
+def _os_errors_kept() -> Iterator[None]:
+    try:
+        yield
+    except Exception as error:
+        found = os_error_in(error)
+        if found is None or found is error:
+            raise
+        raise OSError(found.errno, found.strerror) from error
+
+
+class FileWriter(FileSystemWriter):
+    """DCP's file writer, but a write that fails raises its OSError (errno and all), not
+    torch's RuntimeError around it: DCP hands each rank's failure to the others pickled,
+    which keeps an OSError's errno but drops a RuntimeError's ``__context__``."""
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        with _os_errors_kept():
+            return super().write_data(plan, planner)
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        with _os_errors_kept():
+            super().finish(metadata, results)

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from groupshard import comm
 from groupshard.checkpoint import codec, folders, reader
-from groupshard.checkpoint.errors import CheckpointError
+from groupshard.checkpoint.errors import CheckpointError, NoSpaceError
 from groupshard.checkpoint.folders import FORMAT
 from groupshard.checkpoint.pieces import (
     Holder,
@@ -126,6 +126,10 @@ def save(
             ``gs.ZeroRedundancyOptimizer``, or None.
         extra: tensors and plain values (numbers, strings, lists...) to store too,
             e.g. the step count or RNG states; ``load`` returns them.
+
+    A failed save raises on every rank and leaves the previous checkpoint intact: a
+    :class:`NoSpaceError` (an OSError, errno ENOSPC) naming the folder and the bytes
+    needed and free if the device (or a quota) is full, else a RuntimeError.
     """
     holder = holder_of(model, optimizer, "save")
     ranks = holder.ranks
@@ -143,30 +147,74 @@ def save(
     serial = folders.next_serial(path) if ranks.rank == 0 else 0
     meta["serial"] = serial
     temporary = comm.gather_objects(folders.temporary_name(path, serial), ranks)[0]
+    failure: BaseException | None = None
     try:
         state_dict = {name: piece.data for name, piece in pieces.items() if piece.write}
-        with _single_process_is_meant():
-            dcp.save(
-                state_dict,
-                checkpoint_id=temporary,
-                planner=PieceSavePlanner(pieces),
-                **_dcp_kwargs(ranks),
-            )
-        if ranks.rank == 0:
-            folders.write_meta(temporary, meta)
-        comm.gather_objects(None, ranks)  # every rank has finished writing
-        if ranks.rank == 0:
-            folders.replace(temporary, path, serial)
-    except BaseException as error:
+        try:
+            with _single_process_is_meant():
+                dcp.save(
+                    state_dict,
+                    checkpoint_id=temporary,
+                    storage_writer=folders.FileWriter(temporary),
+                    planner=PieceSavePlanner(pieces),
+                    **_dcp_kwargs(ranks),
+                )
+        except dcp.CheckpointException as error:  # a BaseException, raised on every rank
+            failure = error
+        if failure is None:  # all have written; rank 0 puts it in place, then all go on
+            failure = _on_rank_0(_complete, ranks, temporary, meta, path, serial)
+    except BaseException:
         if ranks.rank == 0:
             shutil.rmtree(temporary, ignore_errors=True)
-        if isinstance(error, dcp.CheckpointException):  # a BaseException: make it catchable
-            raise RuntimeError(
-                f"Saving the checkpoint {str(path)!r} failed on some rank; the previous "
-                f"checkpoint there (if any) is intact. {_first_failure(error)}"
-            ) from None
         raise
-    comm.gather_objects(None, ranks)  # the checkpoint is in place before anyone goes on
+    if failure is not None:
+        if ranks.rank == 0:
+            shutil.rmtree(temporary, ignore_errors=True)
+        error = _save_error(failure, path, pieces, ranks)
+        raise error from (None if isinstance(failure, dcp.CheckpointException) else failure)
+
+
+def _complete(temporary: Path, meta: dict[str, Any], path: Path, serial: int) -> None:
+    folders.write_meta(temporary, meta)
+    folders.replace(temporary, path, serial)
+
+
+def _on_rank_0(function: Any, ranks: comm.Ranks, *args: Any) -> BaseException | None:
+    """Run ``function(*args)`` on rank 0; return its exception (None if none) on every rank:
+    rank 0's own, the others a copy (an OSError with its errno, else a RuntimeError)."""
+    failure, copy = None, None
+    if ranks.rank == 0:
+        try:
+            function(*args)
+        except Exception as error:
+            failure, found = error, folders.os_error_in(error)
+            copy = RuntimeError(reader.short(error)) if found is None else OSError(*found.args)
+    shared = comm.gather_objects(copy, ranks)[0]
+    return failure if ranks.rank == 0 else shared
+
+
+def _save_error(
+    failure: BaseException, path: Path, pieces: Mapping[str, Piece], ranks: comm.Ranks
+) -> Exception:
+    """The error every rank raises for a failed save (``failure``, alike on each): a
+    NoSpaceError if a write found no space left, else a RuntimeError naming the first
+    failed rank's error. Rank 0 has removed the temporary folder."""
+    if isinstance(failure, dcp.CheckpointException):
+        causes = [c[0] if isinstance(c, tuple) else c for c in failure.failures.values()]
+        first = _first_failure(failure)
+    else:
+        causes, first = [failure], f"Rank 0: {reader.short(failure)}"
+    if any(folders.no_space(cause) for cause in causes):
+        space = None
+        if ranks.rank == 0:  # about what it takes: the previous checkpoint's files, or more
+            tensors = sum(p.size.numel() * p.data.element_size() for p in pieces.values())
+            space = (max(tensors, folders.size(path)), folders.free_bytes(path.parent))
+        needed, free = comm.gather_objects(space, ranks)[0]
+        return NoSpaceError(str(path), needed, free)
+    return RuntimeError(
+        f"Saving the checkpoint {str(path)!r} failed on some rank; the previous "
+        f"checkpoint there (if any) is intact. {first}"
+    )
 
 
 def exists(path: str | os.PathLike) -> bool:

@@ -28,8 +28,10 @@ def corpus_files(path: str | None) -> list[Path]:
     else:
         files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
         if not files:
+            *others, last = sorted(TEXT_SUFFIXES)
             raise ValueError(
-                f"--data {path}: the folder has no text files ({sorted(TEXT_SUFFIXES)})"
+                f"--data {path}: the folder has no text files (files whose names end in "
+                f"{', '.join(others)} or {last})"
             )
     if sum(f.stat().st_size for f in files) == 0:
         raise ValueError(f"--data {path}: the data is empty")

@@ -163,6 +163,28 @@ def _max_processes() -> int:
     return 2 * (os.cpu_count() or 1)
 
 
+def _cpu_cores() -> int:
+    """The CPU cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _oversubscribed(nproc: int) -> str | None:
+    """A warning if ``nproc`` CPU workers are more than the cores they would run on (they then
+    share cores: slower per token, as measured in docs/when-something-fails.md)."""
+    import torch
+
+    cores = _cpu_cores()
+    if "WORLD_SIZE" in os.environ or torch.cuda.is_available() or nproc <= cores:
+        return None
+    return (
+        f"--nproc {nproc} is more than the {cores} CPU core{'s' * (cores > 1)} here: the "
+        "processes will share cores, which makes training slower per token (--nproc "
+        f"{cores} or less avoids it)"
+    )
+
+
 def _check(args: argparse.Namespace) -> TrainConfig:
     """Validate everything that can be checked before starting workers: first the numbers,
     before torch is imported."""
@@ -212,30 +234,47 @@ def _check(args: argparse.Namespace) -> TrainConfig:
     if sum(f.stat().st_size for f in files) < 20 * (block + 1):
         raise CommandError(f"--data is too small for --model {args.model} (block size {block})")
     out = args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
+    checkpoint = Path(out) / CHECKPOINT
+    # torchrun restarted the workers (--max-restarts) after one failed: continue from the
+    # newest complete checkpoint if there is one, else start again
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    restarted = "WORLD_SIZE" in os.environ and restarts > 0
+    resume = args.resume or (restarted and _has_checkpoint(checkpoint))
     config = TrainConfig(
         data=args.data, model=args.model, steps=args.steps, batch_size=args.batch_size,
         lr=args.lr, weight_decay=args.weight_decay, strategy=args.strategy,
-        optimizer=args.optimizer, zero=args.zero, seed=args.seed, out=out, resume=args.resume,
+        optimizer=args.optimizer, zero=args.zero, seed=args.seed, out=out, resume=resume,
         ckpt_every=args.ckpt_every, eval_every=args.eval_every, clip=args.clip,
         timeout=args.timeout, precision=args.precision, grad_accum=args.grad_accum,
         init=args.init or ("full" if args.zero else "meta"),
         loss_scale=DEFAULT_LOSS_SCALE if args.loss_scale is None else args.loss_scale,
     )  # fmt: skip
     _check_out(out)
-    checkpoint = Path(out) / CHECKPOINT
-    if args.resume:
+    if resume:
         if not args.out:
             raise CommandError("--resume needs --out, the folder of the run to continue")
-        _check_resumable(checkpoint, config)
-    elif checkpoint.exists():
+        _check_resumable(checkpoint, config, finished_is_fine=restarted)
+    elif checkpoint.exists() and not restarted:
         raise CommandError(
             f"{out} already holds a run; pass --resume to continue it or choose another --out"
         )
     return config
 
 
-def _check_resumable(checkpoint: Path, config: TrainConfig) -> None:
-    """The checkpoint exists and was written for the same model and optimizer."""
+def _has_checkpoint(checkpoint: Path) -> bool:
+    """Whether ``checkpoint`` holds one to resume (or a damaged one, for --resume to name)."""
+    from groupshard import checkpoint as gs_checkpoint
+    from groupshard.cli.train import ZERO_CHECKPOINT
+
+    try:
+        return gs_checkpoint.exists(checkpoint) or (checkpoint / ZERO_CHECKPOINT).exists()
+    except gs_checkpoint.CheckpointError:
+        return True
+
+
+def _check_resumable(checkpoint: Path, config: TrainConfig, finished_is_fine: bool) -> None:
+    """The checkpoint exists and was written for the same model and optimizer (and, unless
+    ``finished_is_fine``, before the last of ``config.steps``)."""
     import torch
 
     from groupshard import checkpoint as gs_checkpoint
@@ -265,7 +304,7 @@ def _check_resumable(checkpoint: Path, config: TrainConfig) -> None:
                 f"--resume: the checkpoint in {checkpoint.parent} is from another run "
                 f"(--{key.replace('_', '-')} {was}, not {value})"
             )
-    if config.steps <= step:
+    if config.steps <= step and not finished_is_fine:
         raise CommandError(
             f"--resume: the run in {checkpoint.parent} is at step {step} already; pass a "
             f"--steps above {step} to train on"
@@ -316,8 +355,8 @@ def _launch(config: TrainConfig, nproc: int) -> int:
                 )
             except ChildFailedError as error:
                 if stop.forced:
-                    _interrupted(config.out, None)
-                    return 130
+                    _interrupted(config.out, None, stop.signum)
+                    return 128 + stop.signum
                 rank, cause = _blame(error)
                 if "timeout" in cause.lower() and "timed out" not in cause.lower():
                     # gloo's asynchronous collectives say "Application timeout caused pair
@@ -325,13 +364,15 @@ def _launch(config: TrainConfig, nproc: int) -> int:
                     cause += f" (a collective timed out after --timeout {config.timeout:g} s)"
                 _error(f"worker {rank} failed: {cause} (logs in {log_file})")
                 return 1
-        return _outcome(summaries[0])
+        return _outcome(summaries[0], signum=stop.signum)
 
 
 class _StopRequests:
     """The launcher's signals while its workers run. The first SIGINT (Ctrl-C) or SIGTERM asks
     the workers to stop (``event``): they agree on a step, save a checkpoint and return, and
-    the launcher exits as soon as they have. A second one, or SIGHUP or SIGQUIT, kills them.
+    the launcher exits as soon as they have. Another one within ``SAME_REQUEST`` seconds is
+    the same request delivered twice (``timeout``, as SLURM or Kubernetes may, signals the
+    launcher and its whole process group); a later one, or SIGHUP or SIGQUIT, kills them.
 
     torch's launcher would instead stop the workers itself and wait 30 s for them to exit,
     while each finished worker waits for it to read the result; it registers its handlers only
@@ -340,6 +381,8 @@ class _StopRequests:
 
     _REQUEST = (signal.SIGINT, signal.SIGTERM)
     _KILL = (signal.SIGHUP, signal.SIGQUIT)
+    SAME_REQUEST = 1.0  # seconds
+    _clock = staticmethod(time.monotonic)
 
     def __init__(self) -> None:
         import multiprocessing
@@ -348,6 +391,8 @@ class _StopRequests:
         # which would unblock the signals of the thread that started it (see run)
         self.event = multiprocessing.get_context("spawn").Event()
         self.forced = False
+        self.signum = 0  # the first signal received
+        self._requested_at = 0.0
         self._saved: dict[int, Any] = {}
 
     def __enter__(self) -> _StopRequests:
@@ -360,12 +405,21 @@ class _StopRequests:
             signal.signal(sig, handler)
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if signum in self._REQUEST and not self.event.is_set():
-            self.event.set()
-            return
+        now = self._clock()
+        self.signum = self.signum or signum
+        if signum in self._REQUEST:
+            if not self.event.is_set():
+                self.event.set()
+                self._requested_at = now
+                return
+            if now - self._requested_at < self.SAME_REQUEST:
+                return
+        self.forced = True
+        self._kill_workers()
+
+    def _kill_workers(self) -> None:
         import multiprocessing
 
-        self.forced = True
         for child in multiprocessing.active_children():
             child.kill()
 
@@ -404,32 +458,36 @@ def _blame(error: ChildFailedError) -> tuple[int, str]:
     return rank, " ".join(str(message).split()) or f"exit code {failure.exitcode}"
 
 
-def _outcome(summary: dict[str, Any], show: bool = True) -> int:
-    """The exit status of a run whose workers returned ``summary``; prints a diverged run's
-    error or an interrupted run's checkpoint (if ``show``)."""
+def _outcome(summary: dict[str, Any], show: bool = True, signum: int = 0) -> int:
+    """The exit status of a run whose workers returned ``summary``; prints a failed run's
+    error or an interrupted run's checkpoint (if ``show``). An interrupted run exits with
+    128 + the signal that stopped it: ``signum`` (the launcher's), else the workers'."""
     if summary["status"] == "interrupted":
+        signum = signum or signal.Signals[summary.get("signal", "SIGINT")]
         if show:
-            _interrupted(summary["config"]["out"], summary["step"])
-        return 130
-    if summary["status"] != "diverged":
+            _interrupted(summary["config"]["out"], summary["step"], signum)
+        return 128 + signum
+    if "error" not in summary:
         return 0
     if show:
         _error(summary["error"])
     return 1
 
 
-def _interrupted(out: str, step: int | None) -> None:
-    """One line: where the run stopped, and its checkpoint if there is one."""
+def _interrupted(out: str, step: int | None, signum: int) -> None:
+    """One line: where the run stopped (and by which signal, but for Ctrl-C's SIGINT), and
+    its checkpoint if there is one."""
     from groupshard import checkpoint as gs_checkpoint
     from groupshard.cli.train import CHECKPOINT, ZERO_CHECKPOINT
 
     checkpoint = Path(out) / CHECKPOINT
+    by = "" if signum in (0, signal.SIGINT) else f" by {signal.Signals(signum).name}"
     at = "" if step is None else f" at step {step}"
     if gs_checkpoint.exists(checkpoint) or (checkpoint / ZERO_CHECKPOINT).exists():
         then = f"checkpoint in {checkpoint}; continue with --resume --out {out}"
     else:
         then = "no checkpoint was saved, so there is nothing to resume"
-    print(f"groupshard train: interrupted{at}; {then}", file=sys.stderr, flush=True)
+    print(f"groupshard train: interrupted{by}{at}; {then}", file=sys.stderr, flush=True)
 
 
 def _error(message: str) -> None:
@@ -479,6 +537,9 @@ def _train(args: argparse.Namespace) -> int:
         from groupshard.cli.train import worker
 
         return _outcome(worker(config), show=os.environ["RANK"] == "0")
+    warning = _oversubscribed(args.nproc)
+    if warning is not None:
+        print(f"groupshard train: warning: {warning}", file=sys.stderr, flush=True)
     print(
         f"training {config.model} on {args.nproc} processes, outputs in {config.out}/", flush=True
     )

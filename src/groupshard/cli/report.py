@@ -163,6 +163,15 @@ def group_table(groups: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def printable(text: str) -> str:
+    """``text`` with what a terminal would act on (ESC, BEL, carriage returns and other
+    control or unprintable characters, tabs aside) written as Python escapes: ``\\x1b``."""
+    return "".join(
+        c if c.isprintable() or c == "\t" else c.encode("unicode_escape").decode("ascii")
+        for c in text
+    )
+
+
 def finish(out: Path, summary: dict[str, Any]) -> None:
     """Write the CSV and the plot, and print the sample, the per-group table and the summary
     (rank 0)."""
@@ -179,10 +188,11 @@ def finish(out: Path, summary: dict[str, Any]) -> None:
     rss = ", ".join(f"{b / 2**20:.0f}" for b in summary["peak_rss_bytes_per_rank"])
     written = summary.get("sample")
     if written is not None:
+        lines = written["text"].removesuffix("\n").split("\n")
         print(
             f"sample.txt: {written['prompt_bytes']} bytes of validation text, then "
             f"{written['new_bytes']} bytes the model wrote:\n"
-            + "\n".join("    " + line for line in written["text"].splitlines())
+            + "\n".join("    " + printable(line) for line in lines)
             + "\n",
             flush=True,
         )

@@ -116,17 +116,23 @@ class StopFlag:
     """
 
     def __init__(self, event: Any = None) -> None:
-        self._signalled, self._event = False, event
+        self._signal, self._event = 0, event
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._set)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
     def _set(self, signum: int, frame: Any) -> None:
-        self._signalled = True
+        self._signal = self._signal or signum
 
     @property
     def requested(self) -> bool:
-        return self._signalled or (self._event is not None and self._event.is_set())
+        return bool(self._signal) or (self._event is not None and self._event.is_set())
+
+    @property
+    def signum(self) -> int:
+        """The signal that asked to stop (the first), 0 if none; the launcher's ``event``
+        counts as SIGINT (the launcher knows its own signal)."""
+        return self._signal or (signal.SIGINT if self.requested else 0)
 
 
 class Run:
@@ -254,15 +260,31 @@ class Run:
             gs.checkpoint.save(path, self.sharded, self.optimizer, extra=extra)
         else:  # ZeRO: a plain checkpoint (full model, consolidated optimizer) on rank 0
             self.optimizer.consolidate_state_dict(to=0)
-            if self.ranks.rank == 0:
-                path.mkdir(parents=True, exist_ok=True)
-                state = {"model": self.model.module.state_dict(),
-                         "optim": self.optimizer.state_dict(), "extra": extra}  # fmt: skip
-                temporary = path / f"{ZERO_CHECKPOINT}.tmp"
-                torch.save(state, temporary)
-                os.replace(temporary, path / ZERO_CHECKPOINT)
-            comm.gather_objects(None, self.ranks)
+            space = self._save_zero(path, extra) if self.ranks.rank == 0 else None
+            space = comm.gather_objects(space, self.ranks)[0]  # rank 0's (needed, free) if full
+            if space is not None:
+                raise gs.checkpoint.NoSpaceError(str(path), *space)
         return True
+
+    def _save_zero(self, path: Path, extra: dict[str, Any]) -> tuple[int, int] | None:
+        """Rank 0 of a --zero run: write the plain checkpoint. None if written; (bytes
+        needed, bytes free) if the device is full (the previous checkpoint intact)."""
+        path.mkdir(parents=True, exist_ok=True)
+        state = {"model": self.model.module.state_dict(),
+                 "optim": self.optimizer.state_dict(), "extra": extra}  # fmt: skip
+        temporary = path / f"{ZERO_CHECKPOINT}.tmp"
+        try:
+            with open(temporary, "wb") as stream:  # a Python file: its errors keep their errno
+                torch.save(state, stream)
+            os.replace(temporary, path / ZERO_CHECKPOINT)
+        except Exception as error:
+            temporary.unlink(missing_ok=True)
+            if not gs.checkpoint.folders.no_space(error):
+                raise
+            previous = path / ZERO_CHECKPOINT
+            needed = max(_tensor_bytes(state), previous.stat().st_size if previous.exists() else 0)
+            return needed, gs.checkpoint.folders.free_bytes(path)
+        return None
 
     def load(self) -> int:
         """Load ``--out``'s checkpoint; return its step. A failure names the checkpoint."""
@@ -290,6 +312,15 @@ class Run:
         return int(extra["step"])
 
 
+def _tensor_bytes(value: Any) -> int:
+    """The bytes of the tensors in ``value`` (nested dicts, lists and tuples)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        value = list(value.values())
+    return sum(map(_tensor_bytes, value)) if isinstance(value, list | tuple) else 0
+
+
 def root_cause(error: BaseException) -> BaseException:
     """The exception behind ``error``: DCP's CheckpointException carries each failed rank's."""
     if isinstance(error, CheckpointException) and error.failures:
@@ -312,6 +343,21 @@ def nonfinite(loss: float, grad_norms: dict[str, float]) -> str | None:
         if not math.isfinite(norm):
             return f"the gradient norm of group {group} is {norm}"
     return None
+
+
+def _save(run: Run, step: int, status: str) -> tuple[str, str | None]:
+    """Save the checkpoint of ``step``: ``status`` and None if saved, else the run's new
+    status and why not ("diverged": a parameter is not finite; "failed": no space left on
+    the device), alike on every rank; the last checkpoint stays either way."""
+    try:
+        if run.save(step):
+            return status, None
+    except gs.checkpoint.NoSpaceError as error:
+        return "failed", (
+            f"no space left on device in {error.folder} for the checkpoint of step {step} "
+            f"(it needs about {error.needed:,} bytes, {error.free:,} are free)"
+        )
+    return "diverged", f"a parameter is not finite after step {step}"
 
 
 def _log(out: Path, row: dict[str, Any]) -> None:
@@ -380,7 +426,8 @@ def train(
 
     Stops on every rank at the first step whose loss, gradient norm or validation loss is not
     finite, and saves no checkpoint whose parameters are not: the summary's status is then
-    "diverged" and its "error" says why and which checkpoint is kept. A ``stop`` request
+    "diverged" and its "error" says why and which checkpoint is kept; likewise "failed" when
+    a checkpoint finds no space left on the device. A ``stop`` request
     (Ctrl-C) ends the run before the next step, status "interrupted", with a checkpoint if it
     trained a step (else the resumed checkpoint, if any, stays the last).
     """
@@ -388,7 +435,7 @@ def train(
     stop = stop or StopFlag()
     if _agreed(stop.requested, ranks):  # Ctrl-C during start-up: build nothing, save nothing
         return {"status": "interrupted", "step": None, "steps": config.steps,
-                "config": asdict(config)}  # fmt: skip
+                "signal": _agreed_signal(stop, ranks), "config": asdict(config)}  # fmt: skip
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if torch.cuda.is_available()
@@ -397,8 +444,8 @@ def train(
     run = Run(config, ranks, device)
     out = Path(config.out)
     start = run.load() if config.resume else 0
-    if config.resume and ranks.rank == 0:
-        report.keep_rows_up_to(out, start)  # rows past the checkpoint are logged again
+    if ranks.rank == 0:  # rows past the checkpoint (all, without one) are logged again
+        report.keep_rows_up_to(out, start)
     tokens_per_step = (
         config.batch_size * config.grad_accum * run.model_config.block_size * ranks.size
     )
@@ -417,29 +464,30 @@ def train(
                 progress.update(1)
                 progress.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
             if problem is not None:
-                failure = f"{problem} at step {step + 1} (lr {row['lr']:g})"
+                status, failure = "diverged", f"{problem} at step {step + 1} (lr {row['lr']:g})"
             elif config.ckpt_every and (step + 1) % config.ckpt_every == 0:
-                if run.save(step + 1):
-                    last_saved = step + 1
-                else:
-                    failure = f"a parameter is not finite after step {step + 1}"
+                status, failure = _save(run, step + 1, status)
+                last_saved = step + 1 if failure is None else last_saved
             if failure is not None:
-                step, status = step + 1, "diverged"
+                step += 1
                 break
         else:
             step = config.steps
     nothing_new = status == "interrupted" and step == start
-    if failure is None and not nothing_new and not run.save(step):
-        failure, status = f"a parameter is not finite after step {step}", "diverged"
+    if failure is None and not nothing_new and last_saved != step:
+        status, failure = _save(run, step, status)
     elapsed = time.perf_counter() - started
     peak_rss = comm.gather_objects(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, ranks)
     summary = {
-        "status": status, "step": step, "steps": config.steps, "seconds": elapsed,
+        "status": status, "start_step": start, "step": step, "steps": config.steps,
+        "seconds": elapsed,
         "tokens_per_s": tokens_per_step * (step - start) / max(elapsed, 1e-9),
         "peak_rss_bytes_per_rank": peak_rss, "world_size": ranks.size,
         "parameters_total": run.total_params, "parameters_per_rank": run.local_params,
         "config": asdict(config),
     }  # fmt: skip
+    if status == "interrupted":
+        summary["signal"] = _agreed_signal(stop, ranks)
     summary.update(end_of_run(run, status, out))
     if failure is not None:
         kept = (
@@ -448,6 +496,8 @@ def train(
             else f"the last good checkpoint (step {last_saved}) is kept in {out / CHECKPOINT}"
         )
         summary["error"] = f"{failure}; {kept}"
+        if status == "failed" and last_saved is not None:
+            summary["error"] += f"; make room, then continue with --resume --out {out}"
     if ranks.rank == 0:
         (out / "summary.json").write_text(report.to_json(summary, indent=1))
     return summary
@@ -553,6 +603,14 @@ def _agreed(flag: bool, ranks: comm.Ranks) -> bool:
     return bool(value.item())
 
 
+def _agreed_signal(stop: StopFlag, ranks: comm.Ranks) -> str:
+    """The name of the signal that stopped the run: SIGTERM if any rank got one, else
+    SIGINT (one all-reduce)."""
+    value = torch.tensor(float(stop.signum))
+    comm.all_reduce_max(value, ranks)
+    return signal.Signals(int(value.item()) or signal.SIGINT).name
+
+
 def _progress(total: int, initial: int, enabled: bool, file: TextIO | None) -> Any:
     from tqdm import tqdm
 
@@ -579,9 +637,9 @@ def worker(
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    timeout = datetime.timedelta(seconds=config.timeout)
     dist.init_process_group(
-        "nccl" if torch.cuda.is_available() else "gloo",
-        timeout=datetime.timedelta(seconds=config.timeout),
+        "nccl" if torch.cuda.is_available() else "gloo", timeout=timeout, **_restart_store(timeout)
     )
     try:
         summary = train(config, progress_file, stop)
@@ -595,6 +653,28 @@ def worker(
         raise (cause if isinstance(cause, Exception) else RuntimeError(describe(cause))) from error
     finally:
         dist.destroy_process_group()
+
+
+def _restart_store(timeout: datetime.timedelta) -> dict[str, Any]:
+    """``init_process_group``'s store for workers that torchrun restarted on one node: its
+    store, under a prefix of its own for each restart (else none: env://, as usual).
+
+    torchrun (torch 2.13, the c10d rendezvous) keeps the store of the first start for every
+    restart, with the keys the workers it stopped wrote in it: a restarted worker can read a
+    dead one's address and fail to connect (gloo: "Connection refused"). The restart count
+    tells the rounds apart on one node only: across nodes it is counted per node."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if restart == 0 or not shared or os.environ.get("GROUP_WORLD_SIZE") != "1":
+        return {}
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
+    return {
+        "store": dist.PrefixStore(f"groupshard/restart-{restart}", store),
+        "rank": int(os.environ["RANK"]),
+        "world_size": int(os.environ["WORLD_SIZE"]),
+    }
 
 
 def _stderr_to(log_file: str) -> TextIO:
