@@ -108,10 +108,10 @@ def _buffer_norm(func: Any, grad: ShardGrad, args: Sequence[Any], kwargs: Any) -
         )
     ord = options.get(first, 2)
     ord = 2 if ord in (None, "fro") else ord
-    if not isinstance(ord, (int, float)) or (ord < 0 and ord != -math.inf):
+    if isinstance(ord, bool) or not isinstance(ord, (int, float)) or ord < 0:
         raise ValueError(
-            f"The norm of a groupshard shard's gradient supports ord >= 0, inf and -inf, got "
-            f"{ord!r}; gs.clip_grad_norm_(model, max_norm, norm_type) takes any of these."
+            f"The norm of a groupshard shard's gradient supports ord >= 0 and inf, got {ord!r} "
+            "(the shard's padding would count as zeros)."
         )
     local = grad.as_subclass(torch.Tensor)
     if options.get("dtype") is not None:
