@@ -108,3 +108,20 @@ def _norm_over_a_dimension(rank: int, world_size: int) -> str:
 
 def test_a_norm_over_a_dimension_of_a_shard_gradient_is_refused(run_ranks):
     assert run_ranks(2, _norm_over_a_dimension) == ["ok", "ok"]
+
+
+def _counts(rank: int, world_size: int, strategy: str) -> tuple[int, int, int, int]:
+    torch.manual_seed(0)
+    model = EdgeGPT()
+    unsharded = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    sharded = gs.shard(model, None, unit=UNITS, strategy=strategy)
+    counted = sharded.num_unsharded_parameters(), sharded.num_unsharded_parameters(True)
+    return unsharded, trainable, *counted
+
+
+@pytest.mark.parametrize("strategy", ["full", "no_shard"])
+def test_the_unsharded_parameter_count_is_the_models(run_ranks, strategy):
+    for unsharded, trainable, counted, counted_trainable in run_ranks(3, _counts, strategy):
+        assert (counted, counted_trainable) == (unsharded, trainable)
+        assert trainable < unsharded  # EdgeGPT has a frozen parameter

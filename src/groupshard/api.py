@@ -56,6 +56,19 @@ class ShardedModule(nn.Module):
             for group in state.groups.groups
         ]
 
+    def num_unsharded_parameters(self, trainable_only: bool = False) -> int:
+        """The unsharded model's parameter count (tied parameters once): what
+        ``sum(p.numel() for p in model.parameters())`` gave before ``gs.shard``. After it,
+        ``parameters()`` are this rank's flat shards, padding included, so that sum counts
+        those (a flat layout cannot make it the model's count); no communication."""
+        return sum(
+            slot.numel
+            for storage in self.groupshard.storages
+            for buffer in storage.layout.buffers
+            if buffer.group_index >= 0 or not trainable_only
+            for slot in buffer.params
+        )
+
     def state_dict(  # type: ignore[override]
         self, *, destination: Any = None, prefix: str = "", keep_vars: bool = False
     ) -> dict[str, Any]:
