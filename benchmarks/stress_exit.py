@@ -2,12 +2,17 @@
 CPU load; count workers that do not exit cleanly (e.g. SIGABRT: "terminate called without
 an active exception" at teardown).
 
-    python benchmarks/stress_exit.py [--runs 100] [--world-size 2] [--load 2] [--json PATH]
+    python benchmarks/stress_exit.py [--runs 100] [--world-size 2] [--load 2] [--readme]
+                                     [--json PATH]
 
 Each run starts ``--world-size`` fresh processes (``torch.multiprocessing.start_processes``,
 gloo over a FileStore), shards the tiny GPT, trains 3 steps with one of the strategies and
 optimizers in turn, then ``dist.barrier()`` and ``dist.destroy_process_group()``. ``--load``
 busy processes run beside them the whole time. A run passes when every worker exits 0.
+
+``--readme`` runs the README's example instead (``## Use``: 20 steps, no barrier before
+``destroy_process_group``) under ``torchrun --standalone``; a run passes when torchrun
+exits 0 and no worker printed "terminate called".
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import itertools
 import json
 import multiprocessing
 import os
+import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +39,7 @@ import groupshard as gs
 from groupshard.cli.model import GPT, Block, GPTConfig
 
 CASES = list(itertools.product(("full", "grad_op", "no_shard"), ("adamw", "muon")))
+README = Path(__file__).resolve().parents[1] / "README.md"
 CONFIG = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
 
 
@@ -88,11 +96,32 @@ def run_once(world_size: int, strategy: str, optimizer: str) -> dict[str, Any]:
     return {"strategy": strategy, "optimizer": optimizer, "exit_codes": codes}
 
 
+def readme_example() -> str:
+    """The first python block under the README's ``## Use``."""
+    text = README.read_text()
+    block = re.compile(r"^```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
+    match = block.search(text, text.index("\n## Use\n"))
+    if match is None:
+        raise ValueError(f"no python block under '## Use' in {README}")
+    return match.group(1)
+
+
+def run_readme_once(world_size: int, script: str) -> dict[str, Any]:
+    """The README's example under torchrun; its exit code and whether a worker aborted."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(world_size), script]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    aborted = "terminate called" in result.stdout + result.stderr
+    return {"case": "readme", "exit_codes": [result.returncode], "aborted": aborted}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--load", type=int, default=2, help="busy processes beside the runs")
+    parser.add_argument("--readme", action="store_true", help="run the README's example")
     parser.add_argument("--json", metavar="PATH", help="write the results here")
     args = parser.parse_args(argv)
     load = [
@@ -102,10 +131,15 @@ def main(argv: list[str] | None = None) -> int:
     for process in load:
         process.start()
     results = []
+    script = Path(tempfile.mkdtemp(prefix="groupshard-stress-")) / "example.py"
+    script.write_text(readme_example())
     try:
         for index in range(args.runs):
             strategy, optimizer = CASES[index % len(CASES)]
-            result = run_once(args.world_size, strategy, optimizer)
+            if args.readme:
+                result = run_readme_once(args.world_size, str(script))
+            else:
+                result = run_once(args.world_size, strategy, optimizer)
             results.append(result)
             if any(code != 0 for code in result["exit_codes"]):
                 print(f"run {index}: {result}", flush=True)

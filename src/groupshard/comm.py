@@ -125,8 +125,8 @@ def all_gather(
     ``shard`` may be this rank's chunk of ``output`` itself (an in-place all-gather).
 
     Note:
-        On gloo, one broadcast from each rank into its chunk of ``output`` takes a ninth
-        of the time of gloo's all-gather (``GLOO_EMULATION``).
+        On gloo, one broadcast from each rank into its chunk of ``output``, faster there
+        than gloo's all-gather (``GLOO_EMULATION``).
     """
     if ranks.group is None:
         if output.data_ptr() != shard.data_ptr():
