@@ -74,11 +74,15 @@ def _clip_with_a_given_norm(rank: int, world_size: int) -> float:
     local = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
     sharded(inputs[local], targets[local]).backward()
     reference(inputs, targets).backward()
+    totals = []
     for m in (sharded, reference):
         grads = [p.grad for p in m.parameters() if p.grad is not None]
+        # foreach=True takes torch._foreach_norm, the path clip_grad_norm_ uses on GPUs
+        totals.append(torch.nn.utils.get_total_norm(grads, foreach=True))
         torch.nn.utils.clip_grads_with_norm_(
             m.parameters(), 0.01, torch.nn.utils.get_total_norm(grads)
         )
+    assert totals[0].item() == pytest.approx(totals[1].item(), rel=1e-5)
     expected = {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
     return max_difference(full_grads(sharded), expected)
 

@@ -88,9 +88,14 @@ class ShardGrad(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             if func in _NORMS and isinstance(args[0], ShardGrad):
                 return _buffer_norm(func, args[0], args[1:], kwargs)
-            if func is torch._foreach_norm:
+            if func is torch._foreach_norm:  # clip_grad_norm_(..., foreach=True)
                 ord = args[1] if len(args) > 1 else kwargs.get("ord", 2)
-                return [torch.linalg.vector_norm(t, ord) for t in args[0]]
+                return [
+                    _buffer_norm(torch.linalg.vector_norm, t, (ord,), {})
+                    if isinstance(t, ShardGrad)
+                    else torch.linalg.vector_norm(t, ord)
+                    for t in args[0]
+                ]
             return func(*args, **kwargs)
 
 

@@ -109,7 +109,7 @@ class ShardedRuntime:
 
         return hook
 
-    def _post_forward_hook(self, unit: UnitRuntime) -> Callable[..., None]:
+    def _post_forward_hook(self, unit: UnitRuntime) -> Callable[..., Any]:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             if self.state is TrainingState.SUMMONED:
                 return None
