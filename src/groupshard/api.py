@@ -25,6 +25,7 @@ from groupshard.materialize import (
     meta_parameters,
     release_free_memory,
 )
+from groupshard.mesh import MeshRanks, check_mesh, mesh_ranks, mesh_signature
 from groupshard.options import BUCKET_BYTES, FIRST_BUCKET_BYTES, ShardOptions
 from groupshard.precision import MixedPrecision, PrecisionSpec, unit_policy
 from groupshard.runtime import ShardedRuntime, TrainingState
@@ -199,6 +200,17 @@ class ShardedModule(nn.Module):
             )
         runtime.requires_gradient_sync = requires_gradient_sync
 
+    def set_requires_all_reduce(self, requires_all_reduce: bool) -> None:
+        """Hybrid sharding's accumulation (FSDP2's name): ``False`` reduce-scatters each
+        backward's gradients within the shard group but keeps them on this rank; the first
+        backward after ``True`` all-reduces their sum across the replicas once. Costs one
+        sharded gradient per storage; no effect without replicas."""
+        if not isinstance(requires_all_reduce, bool):
+            raise TypeError(
+                f"Expects requires_all_reduce to be a bool but got {requires_all_reduce!r}"
+            )
+        self.groupshard.runtime.buckets.requires_all_reduce = requires_all_reduce
+
     def set_reshard_after_backward(self, reshard_after_backward: bool) -> None:
         """``False`` keeps units gathered after backward (FSDP2's name), so the next
         micro-batch's forward does not gather them again; costs their unsharded bytes.
@@ -343,6 +355,7 @@ def shard(
     unit: UnitSpec = None,
     strategy: str = "full",
     process_group: Any = None,
+    mesh: Any = None,
     default_group: Mapping[str, Any] | None = None,
     sync_module_states: bool = True,
     reduce_bucket_bytes: int = BUCKET_BYTES,
@@ -363,6 +376,9 @@ def shard(
             predicate ``f(module) -> bool``; the root takes the remaining parameters.
         strategy: "full" (ZeRO-3), "grad_op" (ZeRO-2) or "no_shard" (DDP-like).
         process_group: defaults to the default group (a single process if none).
+        mesh: a ``DeviceMesh`` instead of ``process_group``: 1-D shards over it; 2-D with
+            ``mesh_dim_names=("replicate", "shard")`` shards within each shard group and
+            replicates across (hybrid sharding, docs/hybrid-sharding.md).
         default_group: hyperparameters for trainable parameters no group names;
             ``None`` makes leaving one out an error.
         sync_module_states: broadcast rank 0's parameters and buffers first, as DDP does.
@@ -385,9 +401,14 @@ def shard(
         The same module object, now also a ``ShardedModule``. docs/usage.md has the
         details: buckets, windows and overlap in docs/overlap.md.
     """
-    ranks = comm.resolve_ranks(process_group)
+    ranks = comm.resolve_ranks(process_group)  # the world; with a mesh, the default group
     error: BaseException | None = None
     try:
+        if mesh is not None and process_group is not None:
+            raise ValueError("Pass either process_group or mesh to gs.shard, not both.")
+        if mesh is not None:
+            check_mesh(mesh, ranks)
+        sharding = MeshRanks.flat(ranks) if mesh is None else mesh_ranks(mesh, ranks, strategy)
         options = ShardOptions(
             strategy=strategy,
             reduce_bucket_bytes=reduce_bucket_bytes,
@@ -402,7 +423,7 @@ def shard(
         plan = plan_units(model, unit)
         params = dict(model.named_parameters())
         meta = bool(meta_parameters(params))
-        world_size = 1 if strategy == "no_shard" else ranks.size
+        world_size = 1 if strategy == "no_shard" else sharding.shard.size
         layouts = _plan_storages(groups, plan, params, world_size)
         modules = dict(model.named_modules())
         policies = {name: unit_policy(mixed_precision, name, modules[name]) for name in plan.names}
@@ -421,6 +442,7 @@ def shard(
         **options.signature(),
         "mixed_precision": {name: repr(policy) for name, policy in policies.items() if policy},
         "built on the meta device": target is not None,
+        "mesh": mesh_signature(mesh),
     }
     _check_same_structure(_signature(groups, layouts, model, signature), ranks)
     materialize = (
@@ -437,10 +459,11 @@ def shard(
         if target is not None
         else None
     )
-    units = _shard_units(model, plan, layouts, params, ranks, options, policies, materialize)
+    units = _shard_units(model, plan, layouts, params, sharding, options, policies, materialize)
     runtime = ShardedRuntime(units, options)
     runtime.register_hooks()
-    model.groupshard = ShardingState(groups, plan, runtime, params, ranks)  # type: ignore[assignment]
+    state = ShardingState(groups, plan, runtime, params, ranks, sharding)
+    model.groupshard = state  # type: ignore[assignment]
     cls = model.__class__
     model.__class__ = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {})
     return model  # type: ignore[return-value]
@@ -451,7 +474,7 @@ def _shard_units(
     plan: UnitPlan,
     layouts: dict[str, list[StorageLayout]],
     params: dict[str, nn.Parameter],
-    ranks: comm.Ranks,
+    sharding: MeshRanks,
     options: ShardOptions,
     policies: Mapping[str, MixedPrecision | None],
     materialize: Callable[[str], tuple[list[torch.Tensor], dict[torch.dtype, torch.Tensor]]]
@@ -462,7 +485,7 @@ def _shard_units(
     modules = dict(model.named_modules())
     if options.sync_module_states and materialize is None:
         for buffer in model.buffers():
-            comm.broadcast(buffer.data, ranks)
+            comm.broadcast(buffer.data, sharding.world)
     units = []
     for name in plan.names:
         flats: dict[torch.dtype, torch.Tensor] = {}
@@ -470,17 +493,18 @@ def _shard_units(
             buffers, flats = materialize(name)
             for buffer in buffers:
                 if options.sync_module_states:
-                    comm.broadcast(buffer.data, ranks)
+                    comm.broadcast(buffer.data, sharding.world)
         policy = policies[name] or MixedPrecision()
         storages = [
             FlatStorage(
                 layout,
-                ranks,
+                sharding.shard,
                 params,
                 options.sync_module_states,
                 compute_dtype=policy.compute_dtype(layout.dtype),
                 reduce_dtype=policy.gradient_dtype(layout.dtype),
                 unsharded=flats.get(layout.dtype),
+                mesh=sharding,
             )
             for layout in layouts[name]
         ]

@@ -30,6 +30,8 @@ class GradientBuckets:
         self.bucket_bytes = options.reduce_bucket_bytes
         self.first_bucket_bytes = options.first_bucket_limit
         self.overlap = options.overlap
+        # False: hybrid sharding keeps reduce-scattered gradients for a later all-reduce
+        self.requires_all_reduce = True
         # gradients waiting for one collective, per dtype: [(storage, unsharded grad)]
         self._waiting: dict[torch.dtype, list[tuple[FlatStorage, torch.Tensor]]] = {}
         self._sent: set[torch.dtype] = set()  # dtypes whose first bucket of this backward left
@@ -80,7 +82,9 @@ class GradientBuckets:
             return
         self._sent.add(dtype)
         grads = [grad for _, grad in waiting]
-        started = reduce_gradients([storage for storage, _ in waiting], grads, self.overlap)
+        started = reduce_gradients(
+            [storage for storage, _ in waiting], grads, self.overlap, self.requires_all_reduce
+        )
         self._reducing.append((started, sum(g.numel() * g.element_size() for g in grads)))
         self.peak_reducing_bytes = max(
             self.peak_reducing_bytes, sum(size for _, size in self._reducing)
@@ -90,29 +94,27 @@ class GradientBuckets:
 
 
 def reduce_gradients(
-    storages: list[FlatStorage], grads: list[torch.Tensor], async_op: bool = False
+    storages: list[FlatStorage],
+    grads: list[torch.Tensor],
+    async_op: bool = False,
+    all_reduce: bool = True,
 ) -> comm.Pending:
     """Average unsharded gradients over ranks into the storages' shard gradients.
 
-    One reduce-scatter (an all-reduce when replicated) for all groups of all the given
-    storages, which must share ranks and replication, and whose gradients must share a
-    dtype (the reduce dtype): the rank-major scatter input ``(ranks, sum of trainable
-    shard sizes)`` is one ``_chunk_cat`` of every flat buffer's gradient. With
-    ``async_op``, the shards have their gradients after ``wait()``.
+    One reduce-scatter (an all-reduce when replicated) over the shard group for all groups
+    of all the given storages, which must share ranks and replication, and whose gradients
+    must share a dtype (the reduce dtype): the rank-major scatter input ``(ranks, sum of
+    trainable shard sizes)`` is one ``_chunk_cat`` of every flat buffer's gradient. Under
+    hybrid sharding, then one all-reduce of the reduced shards across the replicas
+    (``across_replicas``); ``all_reduce=False`` keeps them on this rank for a later one
+    instead. With ``async_op``, the shards have their gradients after ``wait()``.
     """
     ranks = storages[0].ranks
-
-    def assign(flat: torch.Tensor, sizes: list[int]) -> Callable[[], None]:
-        def finish() -> None:
-            for storage, piece in zip(storages, flat.split(sizes), strict=True):
-                storage.gradients.assign(piece)
-
-        return finish
-
     if storages[0].replicated:
         flat = grads[0] if len(grads) == 1 else torch.cat(grads)
         sizes = [grad.numel() for grad in grads]
-        return comm.all_reduce_mean(flat, ranks, async_op, assign(flat, sizes))
+        finish = across_replicas(storages, flat, sizes, all_reduce)
+        return comm.all_reduce_mean(flat, ranks, async_op, finish)
     per_buffer = [
         piece
         for storage, grad in zip(storages, grads, strict=True)
@@ -124,4 +126,46 @@ def reduce_gradients(
         scatter_input = torch._chunk_cat(per_buffer, dim=0, num_chunks=ranks.size)
     sizes = [storage.layout.trainable_shard_numel for storage in storages]
     flat = grads[0].new_empty(sum(sizes))
-    return comm.reduce_scatter_mean(flat, scatter_input, ranks, async_op, assign(flat, sizes))
+    finish = across_replicas(storages, flat, sizes, all_reduce)
+    return comm.reduce_scatter_mean(flat, scatter_input, ranks, async_op, finish)
+
+
+def across_replicas(
+    storages: list[FlatStorage], flat: torch.Tensor, sizes: list[int], all_reduce: bool
+) -> Callable[[], None]:
+    """What follows the reduction within the shard group: assign each storage its part of
+    ``flat``; under hybrid sharding first average it across the replicas (one all-reduce,
+    with what earlier backwards without it held), or with ``all_reduce=False`` hold it.
+
+    Note:
+        The all-reduce starts when the reduce-scatter is waited for: on NCCL that queues it
+        on the communication stream without blocking the host; on gloo it runs then.
+    """
+    replicas = storages[0].replicas
+
+    def finish() -> None:
+        pieces = flat.split(sizes)
+        if replicas.size > 1 and not all_reduce:
+            for storage, piece in zip(storages, pieces, strict=True):
+                storage.gradients.hold_partial(piece)
+            return
+        if replicas.size > 1:
+            for storage, piece in zip(storages, pieces, strict=True):
+                held = storage.gradients.take_partial()
+                if held is not None:
+                    piece.add_(held)
+            comm.all_reduce_mean(flat, replicas)
+        for storage, piece in zip(storages, pieces, strict=True):
+            storage.gradients.assign(piece)
+
+    return finish
+
+
+def reduce_held_partials(storages: list[FlatStorage]) -> None:
+    """Average across replicas the shard gradients that backwards without the all-reduce
+    left on this rank and that no later reduction took along (one all-reduce each)."""
+    for storage in storages:
+        held = storage.gradients.take_partial()
+        if held is not None:
+            comm.all_reduce_mean(held, storage.replicas)
+            storage.gradients.assign(held)

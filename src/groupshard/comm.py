@@ -2,7 +2,8 @@
 
 The only module that calls ``torch.distributed``. Tests patch these functions to
 count collectives. A ``Ranks`` with ``group=None`` is a single process without an
-initialised process group: every collective is then a local copy.
+initialised process group, and a group of one process (a mesh dimension of size 1) needs
+no communication either: every collective is then a local copy.
 
 The gather and the reduce can run asynchronously (``async_op=True``): they return a
 ``Pending`` whose ``wait()`` blocks until the data is there. On gloo the collective runs
@@ -83,6 +84,11 @@ class Ranks:
     def is_gloo(self) -> bool:
         return self.backend == "gloo"
 
+    @property
+    def is_local(self) -> bool:
+        """One process: every collective over it is a local copy (no call into c10d)."""
+        return self.group is None or self.size == 1
+
 
 def resolve_ranks(process_group: Any = None) -> Ranks:
     """The given process group, else the default one, else a single local process.
@@ -128,7 +134,7 @@ def all_gather(
         On gloo, one broadcast from each rank into its chunk of ``output``, faster there
         than gloo's all-gather (``GLOO_EMULATION``).
     """
-    if ranks.group is None:
+    if ranks.is_local:
         if output.data_ptr() != shard.data_ptr():
             output.copy_(shard)
         return _started([], finish, (), async_op=False)
@@ -175,7 +181,7 @@ def reduce_scatter_mean(
         if finish is not None:
             finish()
 
-    if ranks.group is None:
+    if ranks.is_local:
         output.copy_(flat)
         return _started([], finish, (), async_op=False)
     if _emulated(ranks):
@@ -201,7 +207,7 @@ def all_reduce_mean(
         if finish is not None:
             finish()
 
-    if ranks.group is None:
+    if ranks.is_local:
         return _started([], finish, (), async_op=False)
     work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=ranks.group, async_op=async_op)
     return _started([work], average, (tensor,), async_op)
@@ -209,7 +215,7 @@ def all_reduce_mean(
 
 def all_reduce_sum(tensor: torch.Tensor, ranks: Ranks) -> None:
     """Sum ``tensor`` over ranks in place."""
-    if ranks.group is None:
+    if ranks.is_local:
         return
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=ranks.group)
 
@@ -222,7 +228,7 @@ def all_reduce_max(
 ) -> Pending:
     """Element-wise maximum of ``tensor`` over ranks, in place, then run ``finish`` (at the
     wait when ``async_op``)."""
-    if ranks.group is None:
+    if ranks.is_local:
         return _started([], finish, (), async_op=False)
     work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=ranks.group, async_op=async_op)
     return _started([work], finish, (tensor,), async_op)
@@ -230,14 +236,14 @@ def all_reduce_max(
 
 def broadcast(tensor: torch.Tensor, ranks: Ranks, src_rank: int = 0) -> None:
     """Overwrite ``tensor`` with group rank ``src_rank``'s copy."""
-    if ranks.group is None:
+    if ranks.is_local:
         return
     dist.broadcast(tensor, src=dist.get_global_rank(ranks.group, src_rank), group=ranks.group)
 
 
 def gather_objects(value: Any, ranks: Ranks) -> list[Any]:
     """Every rank's ``value`` (picklable), in rank order, on every rank."""
-    if ranks.group is None:
+    if ranks.is_local:
         return [value]
     gathered: list[Any] = [None] * ranks.size
     dist.all_gather_object(gathered, value, group=ranks.group)
@@ -287,7 +293,7 @@ def all_to_all(
         torch 2.13, CPU: 3 ranks, bf16, empty chunks); on 2 ranks and 8 MB it took about as
         long as an all-reduce of the same tensor, so it is not emulated.
     """
-    if ranks.group is None:
+    if ranks.is_local:
         if output.data_ptr() != source.data_ptr():
             output.copy_(source)
         return _started([], finish, (), async_op=False)

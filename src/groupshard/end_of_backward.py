@@ -54,7 +54,8 @@ def agree_on_gradients_and_order(
                     "rank (keep rank-dependent branches inside a unit)."
                 )
 
-    return comm.all_reduce_max(combined, storages[0].ranks, async_op, apply)
+    # over the whole world: under hybrid sharding the replicas must skip the same parameters
+    return comm.all_reduce_max(combined, storages[0].world, async_op, apply)
 
 
 def _agreement_bytes(order: Sequence[str]) -> list[int]:

@@ -163,6 +163,8 @@ class StorageGradients:
         self.reduce_dtype = reduce_dtype
         self.used_in_backward = [False] * len(self.originals)  # this rank, since synced
         self.accumulated: torch.Tensor | None = None  # sum of backwards without sync (1D)
+        # reduced within the shard group, not yet across replicas (1D, trainable shards)
+        self.partial: torch.Tensor | None = None
         # per trainable shard, per parameter: had a gradient on some rank since .grad was None
         self.had_grad = [[False] * len(b.params) for b in layout.trainable_buffers]
 
@@ -227,8 +229,25 @@ class StorageGradients:
     def take_accumulated(self) -> torch.Tensor | None:
         """What backwards without sync accumulated and no synced backward reduced yet."""
         grad, self.accumulated = self.accumulated, None
-        _accumulating.discard(self)
+        if self.partial is None:
+            _accumulating.discard(self)
         return grad
+
+    def hold_partial(self, sharded_grad: torch.Tensor) -> None:
+        """Add a gradient reduced within the shard group only (hybrid sharding with
+        ``set_requires_all_reduce(False)``) to what waits for the all-reduce across replicas."""
+        if self.partial is None:
+            self.partial = sharded_grad
+        else:
+            self.partial.add_(sharded_grad)
+        _accumulating.add(self)
+
+    def take_partial(self) -> torch.Tensor | None:
+        """What ``hold_partial`` gathered, now to be all-reduced across replicas."""
+        held, self.partial = self.partial, None
+        if self.accumulated is None:
+            _accumulating.discard(self)
+        return held
 
     def assign(self, sharded_grad: torch.Tensor) -> None:
         """Give each trainable shard its slice of ``sharded_grad`` (added if it has one),
@@ -307,16 +326,19 @@ def _refuse_unreduced_gradients(optimizer: torch.optim.Optimizer) -> None:
     waiting = [
         book
         for book in list(_accumulating)
-        if book.accumulated is not None and any(id(s) in stepped for s in book.shards)
+        if (book.accumulated is not None or book.partial is not None)
+        and any(id(s) in stepped for s in book.shards)
     ]
     if waiting:
         units = list(dict.fromkeys(book.layout.unit_name or "<root>" for book in waiting))
         raise RuntimeError(
             f"optimizer.step() while units {units} hold gradients of backwards run without "
             "gradient sync (inside model.no_sync() or after "
-            "model.set_requires_gradient_sync(False)) that no synced backward has reduced: "
-            "the step would miss them. Run the last micro-batch's backward with sync on "
-            "(outside no_sync / set_requires_gradient_sync(True)), then step."
+            "model.set_requires_gradient_sync(False)), or reduced without the all-reduce "
+            "across replicas (model.set_requires_all_reduce(False)), that no synced "
+            "backward has reduced: the step would miss them. Run the last micro-batch's "
+            "backward with sync on (outside no_sync / set_requires_gradient_sync(True) and "
+            "set_requires_all_reduce(True)), then step."
         )
 
 

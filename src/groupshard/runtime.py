@@ -25,7 +25,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 
-from groupshard.buckets import GradientBuckets
+from groupshard.buckets import GradientBuckets, reduce_held_partials
 from groupshard.end_of_backward import agree_on_gradients_and_order
 from groupshard.gathers import GatherSchedule
 from groupshard.gradients import register_optimizer_hooks
@@ -191,6 +191,8 @@ class ShardedRuntime:
         self.buckets.end_backward()
         agreeing = agree_on_gradients_and_order(self.storages, orders, self.options.overlap)
         self.buckets.wait_all()
+        if self.buckets.requires_all_reduce:
+            reduce_held_partials(self.storages)
         if agreeing is not None:
             agreeing.wait()
 

@@ -16,6 +16,7 @@ from torch import nn
 from groupshard import comm
 from groupshard.groups import ResolvedGroups
 from groupshard.layout import FROZEN_GROUP
+from groupshard.mesh import MeshRanks
 from groupshard.runtime import ShardedRuntime
 from groupshard.storage import FlatStorage
 from groupshard.units import UnitPlan
@@ -31,12 +32,14 @@ class ShardingState:
         runtime: ShardedRuntime,
         original_params: dict[str, nn.Parameter],
         ranks: comm.Ranks,
+        mesh: MeshRanks | None = None,
     ) -> None:
         self.groups = groups
         self.plan = plan
         self.runtime = runtime
         self.original_params = original_params  # FQN -> the user's tensor, now its piece
-        self.ranks = ranks
+        self.ranks = ranks  # every rank of the model (the world)
+        self.mesh = mesh or MeshRanks.flat(ranks)  # its shard and replicate groups
         self.originals_registered = False  # inside summon_full_params / originals_installed
 
     @property

@@ -30,6 +30,7 @@ from torch import nn
 from groupshard import comm, flatten
 from groupshard.gradients import StorageGradients
 from groupshard.layout import StorageLayout
+from groupshard.mesh import MeshRanks
 from groupshard.segments import ShardSegments, attach_segments
 from groupshard.writes import note_parameters_written, parameter_writes
 
@@ -57,9 +58,13 @@ class FlatStorage:
         compute_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
         unsharded: torch.Tensor | None = None,
+        mesh: MeshRanks | None = None,
     ) -> None:
         self.layout = layout
-        self.ranks = ranks
+        self.ranks = ranks  # the shard group
+        mesh = mesh or MeshRanks.flat(ranks)
+        self.replicas = mesh.replicate  # hold the same shards; gradients all-reduced across
+        self.world = mesh.world  # every rank of the model
         self.replicated = layout.world_size == 1
         self.shard_rank = 0 if self.replicated else ranks.rank
         self.compute_dtype = compute_dtype or layout.dtype
@@ -117,7 +122,7 @@ class FlatStorage:
         ``sync_from_rank0``, rank 0's values, through one broadcast of the flat storage
         (the only full-size temporary). ``unsharded``: the parameters already laid out as
         the storage's flat buffers, end to end (``materialize``), used in place."""
-        if unsharded is None and sync_from_rank0 and self.ranks.group is not None:
+        if unsharded is None and sync_from_rank0 and self.world.group is not None:
             unsharded = self.local.new_zeros(sum(b.padded_numel for b in self.layout.buffers))
             offset = 0
             for buffer in self.layout.buffers:
@@ -127,7 +132,7 @@ class FlatStorage:
                 offset += buffer.padded_numel
         if unsharded is not None:
             if sync_from_rank0:
-                comm.broadcast(unsharded, self.ranks)
+                comm.broadcast(unsharded, self.world)
             sources = {
                 slot.fqn: piece
                 for buffer, data in zip(
