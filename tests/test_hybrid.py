@@ -1,0 +1,188 @@
+"""Hybrid sharding (HSDP) on a 2-D DeviceMesh at world 4: the same training as one process
+on the global batch, 1/S of the model per rank, the collectives as designed, and bad meshes
+refused on every rank."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from typing import Any
+from unittest import mock
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+import groupshard as gs
+from groupshard import comm
+from groupshard.mesh import MESH_DIM_NAMES
+
+from helpers import BATCH_PER_RANK, UNITS, EdgeGPT, global_batches, max_difference, three_groups
+
+SHAPES = ((2, 2), (1, 4), (4, 1))
+OPTIMIZERS = {
+    "adamw": lambda groups: torch.optim.AdamW(groups, lr=3e-3),
+    "lamb": lambda groups: gs.optim.LAMB(groups, lr=3e-3),
+}
+
+
+def hsdp_mesh(shape: tuple[int, int]) -> DeviceMesh:
+    return init_device_mesh("cpu", shape, mesh_dim_names=MESH_DIM_NAMES)
+
+
+def _train(
+    rank: int, world_size: int, mesh: DeviceMesh, strategy: str, optimizer: str, steps: int
+) -> tuple[gs.ShardedModule, torch.optim.Optimizer, float]:
+    """Train a sharded model on this rank's part of each global batch and the unsharded
+    reference on all of it; the largest difference of their weights."""
+    torch.manual_seed(0)
+    model = EdgeGPT()
+    reference = copy.deepcopy(model)
+    sharded = gs.shard(
+        model, three_groups(model, head_lr=1e-3), unit=UNITS, strategy=strategy, mesh=mesh,
+        reduce_bucket_bytes=0, prefetch_bytes=0,
+    )  # fmt: skip
+    opt = OPTIMIZERS[optimizer](sharded.optimizer_groups())
+    reference_opt = OPTIMIZERS[optimizer](three_groups(reference, head_lr=1e-3))
+    for inputs, targets in global_batches(steps, world_size):
+        local = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
+        sharded(inputs[local], targets[local]).backward()
+        reference(inputs, targets).backward()
+        for o in (opt, reference_opt):
+            o.step()
+            o.zero_grad()
+    return sharded, opt, max_difference(gs.full_state_dict(sharded), reference.state_dict())
+
+
+def equivalence_case(rank: int, world_size: int) -> dict[str, Any]:
+    """Every mesh shape, strategy and optimizer; and each rank's share of the model."""
+    differences, shares = {}, {}
+    for shape in SHAPES:
+        mesh = hsdp_mesh(shape)
+        for strategy in ("full", "grad_op"):
+            for optimizer in OPTIMIZERS:
+                sharded, _, difference = _train(rank, world_size, mesh, strategy, optimizer, 4)
+                differences[f"{shape} {strategy} {optimizer}"] = difference
+        storages = sharded.groupshard.storages
+        shares[shape] = (
+            sum(s.layout.local_numel for s in storages),
+            sum(b.padded_numel for s in storages for b in s.layout.buffers),
+            sum(b.padded_numel - b.numel for s in storages for b in s.layout.buffers),
+            len([b for s in storages for b in s.layout.buffers]),
+        )
+    return {"differences": differences, "shares": shares}
+
+
+def test_hsdp_trains_as_one_process_on_the_global_batch(run_ranks):
+    results = run_ranks(4, equivalence_case, timeout=300)
+    for rank, result in enumerate(results):
+        for case, difference in result["differences"].items():
+            assert difference < 1e-5, (rank, case, difference)
+        for (replicas, shard_size), (local, padded, padding, buffers) in result["shares"].items():
+            assert local * shard_size == padded, (replicas, shard_size)  # exactly 1/S
+            assert padding < shard_size * buffers  # less than S elements per flat buffer
+    assert len(results[0]["differences"]) == len(SHAPES) * 2 * len(OPTIMIZERS)
+
+
+def _counted(counts: Counter[str], mesh_of: dict[int, str], name: str) -> Any:
+    """``comm.name`` counting the calls that communicate, by group: shard, replicate, world."""
+    original = getattr(comm, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        ranks = next(a for a in [*args, *kwargs.values()] if isinstance(a, comm.Ranks))
+        if not ranks.is_local:  # a group of the whole world counts as "world"
+            group = "world" if ranks.size == 4 else mesh_of[id(ranks.group)]
+            counts[f"{name} {group}"] += 1
+        return original(*args, **kwargs)
+
+    return wrapper
+
+
+def count_case(rank: int, world_size: int, shape: tuple[int, int], strategy: str) -> dict:
+    torch.manual_seed(0)
+    mesh = hsdp_mesh(shape)
+    model = EdgeGPT()
+    sharded = gs.shard(
+        model, three_groups(model, 1e-3), unit=UNITS, strategy=strategy, mesh=mesh,
+        reduce_bucket_bytes=0, prefetch_bytes=0,
+    )  # fmt: skip
+    optimizer = gs.optim.LAMB(sharded.optimizer_groups(), lr=1e-3)
+    inputs, targets = global_batches(1, world_size)[0]
+    sharded(inputs, targets).backward()  # a first step records the order units run in
+    optimizer.step()
+    optimizer.zero_grad()
+    mesh_of = {id(mesh.get_group(dim)): dim for dim in MESH_DIM_NAMES}
+    counts: Counter[str] = Counter()
+    names = ("all_gather", "reduce_scatter_mean", "all_reduce_mean", "all_reduce_max",
+             "all_reduce_sum", "broadcast", "gather_objects")  # fmt: skip
+    with mock.patch.multiple(comm, **{n: _counted(counts, mesh_of, n) for n in names}):
+        sharded(inputs, targets).backward()
+        gs.clip_grad_norm_(sharded, 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+    units = sum(1 for u in sharded.groupshard.runtime.units if u.storages)
+    return {"counts": dict(counts), "units": units}
+
+
+def test_collectives_per_step_as_designed(run_ranks):
+    """HSDP: gathers and reduce-scatters within the shard group, one all-reduce per bucket
+    across replicas, norms (clipping, LAMB's trust ratios) over the shard group only."""
+    for shape, strategy in (((2, 2), "full"), ((2, 2), "grad_op"), ((4, 1), "full"),
+                            ((2, 2), "no_shard")):  # fmt: skip
+        result = run_ranks(4, count_case, shape, strategy)[0]
+        units = result["units"]
+        gathers = {"full": 2 * units - 1, "grad_op": units, "no_shard": 0}[strategy]
+        if shape == (4, 1):  # nothing sharded: DDP across the replicas, the whole world
+            expected = {"all_reduce_mean world": units}
+        elif strategy == "no_shard":  # DDP over the whole mesh
+            expected = {"all_reduce_mean world": units}
+        else:
+            expected = {
+                "all_gather shard": gathers,
+                "reduce_scatter_mean shard": units,
+                "all_reduce_mean replicate": units,
+                "all_reduce_sum shard": 2,  # clipping's norm, LAMB's norms (one each)
+            }
+        if strategy == "no_shard" or shape == (4, 1):
+            expected["all_reduce_sum world"] = 0
+        expected["all_reduce_max world"] = 1  # used flags and orders, over every rank
+        counts = {k: v for k, v in result["counts"].items() if v}
+        assert counts == {k: v for k, v in expected.items() if v}, (shape, strategy, counts)
+
+
+def bad_mesh_case(rank: int, world_size: int) -> dict[str, str]:
+    """Each bad mesh on every rank: the error's type and message, per case."""
+    two_by_two = hsdp_mesh((2, 2))
+    transposed = DeviceMesh("cpu", [[0, 2], [1, 3]], mesh_dim_names=MESH_DIM_NAMES)
+    meshes = {
+        "wrong names": DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("dp", "fsdp")),
+        "3-D": init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("pp", *MESH_DIM_NAMES)),
+        "not the world": DeviceMesh("cpu", [0, 1]),
+        "different meshes": transposed if rank == 0 else two_by_two,
+        "mesh and process group": two_by_two,
+    }
+    errors = {}
+    for case, mesh in meshes.items():
+        torch.manual_seed(0)
+        model = EdgeGPT()
+        extra = {"process_group": None if case != "mesh and process group" else
+                 torch.distributed.group.WORLD}  # fmt: skip
+        try:
+            gs.shard(model, three_groups(model, 1e-3), unit=UNITS, mesh=mesh, **extra)
+            errors[case] = "no error"
+        except (ValueError, TypeError) as error:
+            errors[case] = f"{type(error).__name__}: {error}"
+    return errors
+
+
+def test_bad_meshes_fail_on_every_rank(run_ranks):
+    expected = {
+        "wrong names": "mesh_dim_names=('replicate', 'shard')",
+        "3-D": "but got a 3-D mesh",
+        "not the world": "every rank of the world (4 ranks)",
+        "different meshes": "mesh on rank 0 is",
+        "mesh and process group": "either process_group or mesh",
+    }
+    for rank, errors in enumerate(run_ranks(4, bad_mesh_case)):
+        for case, phrase in expected.items():
+            assert errors[case].startswith("ValueError") and phrase in errors[case], (
+                rank, case, errors[case])  # fmt: skip
