@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import pytest
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import groupshard as gs
+import test_checkpoint as checkpoints
 from groupshard import comm
 from groupshard.mesh import MESH_DIM_NAMES
 
@@ -131,9 +134,7 @@ def test_collectives_per_step_as_designed(run_ranks):
         result = run_ranks(4, count_case, shape, strategy)[0]
         units = result["units"]
         gathers = {"full": 2 * units - 1, "grad_op": units, "no_shard": 0}[strategy]
-        if shape == (4, 1):  # nothing sharded: DDP across the replicas, the whole world
-            expected = {"all_reduce_mean world": units}
-        elif strategy == "no_shard":  # DDP over the whole mesh
+        if shape == (4, 1) or strategy == "no_shard":  # nothing sharded: DDP over the world
             expected = {"all_reduce_mean world": units}
         else:
             expected = {
@@ -186,3 +187,45 @@ def test_bad_meshes_fail_on_every_rank(run_ranks):
         for case, phrase in expected.items():
             assert errors[case].startswith("ValueError") and phrase in errors[case], (
                 rank, case, errors[case])  # fmt: skip
+
+
+def layout_case(
+    rank: int, world_size: int, shape: tuple[int, int], load: str | None, save: str
+) -> dict[str, torch.Tensor]:
+    """Under a ``shape`` mesh: train the first steps (``load`` None) or load ``load``; save
+    to ``save``; the full state dict as loaded or trained."""
+    torch.manual_seed(0 if load is None else 123)
+    model = EdgeGPT()
+    model = gs.shard(model, three_groups(model, 1e-2), unit=UNITS, mesh=hsdp_mesh(shape))
+    optimizer = torch.optim.AdamW(model.optimizer_groups(), lr=3e-3)
+    if load is None:
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, checkpoints.lr_lambda)
+        steps = checkpoints.batches()[: checkpoints.RESUME_AT]
+        checkpoints.train(model, optimizer, steps, rank, world_size, scheduler)
+        extra = {"step": checkpoints.RESUME_AT, "seed": torch.arange(3)}
+    else:
+        extra = gs.checkpoint.load(load, model, optimizer)
+    gs.checkpoint.save(save, model, optimizer, extra=extra)
+    return gs.full_state_dict(model)
+
+
+def _bytes_of(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def test_checkpoints_across_layouts(run_ranks, tmp_path):
+    """2x2 -> 1x4 -> 4x1 -> 2 ranks (full) and one process, each continuing the same run."""
+    paths = [str(tmp_path / name) for name in ("2x2", "1x4", "4x1")]
+    trained = run_ranks(4, layout_case, (2, 2), None, paths[0])[0]
+    for shape, load, save in (((1, 4), paths[0], paths[1]), ((4, 1), paths[1], paths[2])):
+        loaded = run_ranks(4, layout_case, shape, load, save)[0]
+        assert max_difference(loaded, trained) == 0, shape
+    # each piece written once: the 2x2 checkpoint is no larger than the 1x4 one
+    assert _bytes_of(Path(paths[0])) <= 1.05 * _bytes_of(Path(paths[1]))
+    expected_lrs = [3e-3 / (1 + checkpoints.RESUME_AT)] * 2 + [1e-2 / (1 + checkpoints.RESUME_AT)]
+    results = [*run_ranks(2, checkpoints.resume_case, paths[2], "blocks", "full"),
+               checkpoints.resume_case(0, 1, paths[2], "blocks", "full")]  # fmt: skip
+    for difference, lrs, step, seed in results:
+        assert lrs == pytest.approx(expected_lrs)
+        assert step == checkpoints.RESUME_AT and seed == [0, 1, 2]
+        assert difference <= 1e-5
