@@ -349,3 +349,45 @@ def test_what_is_exact_stays_exact(run_ranks):
         assert result["bf16 2x2 vs 1x4"] < 1e-5
         assert max_difference(result["meta"], single) == 0
         assert result["muon"] == []
+
+
+def zero_case(rank: int, world_size: int) -> dict[str, Any]:
+    """gs.ZeroRedundancyOptimizer over each shard group of a 2x2 mesh (ZeRO-1 within, DDP
+    across, as torch's with a process_group), beside one process on the global batch."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    group = hsdp_mesh((2, 2)).get_group("shard")
+    torch.manual_seed(0)
+    model = EdgeGPT()
+    reference = copy.deepcopy(model)
+    zero = gs.ZeroRedundancyOptimizer(
+        three_groups(model, 1e-3), torch.optim.AdamW, process_group=group, lr=3e-3
+    )
+    reference_opt = torch.optim.AdamW(three_groups(reference, 1e-3), lr=3e-3)
+    ddp = DDP(model)
+    local = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
+    for inputs, targets in global_batches(4, world_size):
+        ddp(inputs[local], targets[local]).backward()
+        zero.step()
+        zero.zero_grad()
+        reference(inputs, targets).backward()
+        reference_opt.step()
+        reference_opt.zero_grad()
+    zero.consolidate_state_dict(to=0)  # group rank 0 of each shard group
+    held = len(zero.state_dict()["state"]) if zero.rank == 0 else None
+    return {
+        "difference": max_difference(model.state_dict(), reference.state_dict()),
+        "group rank": zero.rank,
+        "group size": zero.world_size,
+        "consolidated states": held,
+        "parameters": len([p for p in model.parameters() if p.requires_grad]),
+    }
+
+
+def test_zero_optimizer_within_a_process_group(run_ranks):
+    results = run_ranks(4, zero_case)
+    assert [(r["group rank"], r["group size"]) for r in results] == [(0, 2), (1, 2)] * 2
+    for result in results:
+        assert result["difference"] < 1e-5
+        if result["group rank"] == 0:  # every parameter's state, gathered within the group
+            assert result["consolidated states"] == result["parameters"]
