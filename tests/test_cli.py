@@ -292,6 +292,8 @@ def test_help_and_argument_errors_answer_without_importing_torch():
         "--loss-scale needs --precision fp16, got --precision fp32": ["--loss-scale", "8"],
         "--loss-scale must be positive, got -1.0": ["--precision", "fp16", "--loss-scale=-1"],
         "--init meta needs groupshard's sharding": ["--zero", "--init", "meta"],
+        "--replicate 3 must divide the world size (2 processes)": ["--replicate", "3"],
+        "--replicate and --hsdp need groupshard's sharding": ["--zero", "--replicate", "2"],
     }
     for expected, args in cases.items():
         started = time.perf_counter()

@@ -131,6 +131,16 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="optimizer")
     train.add_argument("--zero", action="store_true", help="DDP + the ZeRO-1 optimizer instead")
     train.add_argument("--nproc", type=int, default=2, help="local worker processes")
+    train.add_argument(
+        "--replicate", type=int, default=1, metavar="R",
+        help="hybrid sharding: R replicas, each sharding the model over world size / R ranks "
+        "(a 2-D mesh; docs/hybrid-sharding.md)",
+    )  # fmt: skip
+    train.add_argument(
+        "--hsdp", action="store_true",
+        help="under torchrun on several nodes: shard within each node (LOCAL_WORLD_SIZE "
+        "ranks), replicate across the nodes",
+    )  # fmt: skip
     train.add_argument("--seed", type=int, default=0, help="seed of the model and the batches")
     train.add_argument("--out", help="output folder (default: runs/<time>)")
     train.add_argument(
@@ -185,10 +195,26 @@ def _oversubscribed(nproc: int) -> str | None:
     )
 
 
+def _check_hybrid(args: argparse.Namespace) -> None:
+    """--replicate and --hsdp: a mesh that divides the world, with groupshard's sharding."""
+    if args.replicate > 1 and args.hsdp:
+        raise CommandError("--hsdp takes the replicas from torchrun's nodes; drop --replicate")
+    if (args.replicate > 1 or args.hsdp) and args.zero:
+        raise CommandError(
+            "--replicate and --hsdp need groupshard's sharding (gs.shard on a 2-D mesh); "
+            "drop --zero"
+        )
+    world = int(os.environ.get("WORLD_SIZE") or args.nproc)
+    if world % args.replicate:
+        raise CommandError(
+            f"--replicate {args.replicate} must divide the world size ({world} processes)"
+        )
+
+
 def _check(args: argparse.Namespace) -> TrainConfig:
     """Validate everything that can be checked before starting workers: first the numbers,
     before torch is imported."""
-    for name in ("steps", "batch_size", "grad_accum", "nproc"):
+    for name in ("steps", "batch_size", "grad_accum", "nproc", "replicate"):
         if getattr(args, name) < 1:
             raise CommandError(
                 f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}"
@@ -207,6 +233,7 @@ def _check(args: argparse.Namespace) -> TrainConfig:
             "--init meta needs groupshard's sharding; --zero (DDP + the ZeRO-1 optimizer) "
             "builds the whole model on every rank"
         )
+    _check_hybrid(args)
     if args.loss_scale is not None and args.precision != "fp16":
         raise CommandError(f"--loss-scale needs --precision fp16, got --precision {args.precision}")
     if args.loss_scale is not None and not args.loss_scale > 0:
@@ -247,6 +274,7 @@ def _check(args: argparse.Namespace) -> TrainConfig:
         ckpt_every=args.ckpt_every, eval_every=args.eval_every, clip=args.clip,
         timeout=args.timeout, precision=args.precision, grad_accum=args.grad_accum,
         init=args.init or ("full" if args.zero else "meta"),
+        replicate=_replicas(args),
         loss_scale=DEFAULT_LOSS_SCALE if args.loss_scale is None else args.loss_scale,
     )  # fmt: skip
     _check_out(out)
@@ -259,6 +287,14 @@ def _check(args: argparse.Namespace) -> TrainConfig:
             f"{out} already holds a run; pass --resume to continue it or choose another --out"
         )
     return config
+
+
+def _replicas(args: argparse.Namespace) -> int:
+    """``--replicate``; with ``--hsdp`` under torchrun, one replica per node."""
+    if not args.hsdp:
+        return args.replicate
+    world = int(os.environ.get("WORLD_SIZE") or args.nproc)
+    return world // int(os.environ.get("LOCAL_WORLD_SIZE") or world)
 
 
 def _has_checkpoint(checkpoint: Path) -> bool:

@@ -138,6 +138,8 @@ def settings(summary: dict[str, Any]) -> str:
     """The run's settings in one line, for the plot's title."""
     config = summary["config"]
     mode = "DDP + ZeRO-1" if config["zero"] else f"strategy {config['strategy']}"
+    if config.get("replicate", 1) > 1:
+        mode += f" x {config['replicate']} replicas (HSDP)"
     accum = config.get("grad_accum", 1)
     batch = f"batch {config['batch_size']}" + (f" x {accum} micro-batches" if accum > 1 else "")
     return (

@@ -18,6 +18,7 @@ from typing import Any, TextIO
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -26,6 +27,7 @@ from groupshard import comm
 from groupshard.cli import data as corpus
 from groupshard.cli import report
 from groupshard.cli.model import GPT, Block, GPTConfig
+from groupshard.mesh import MESH_DIM_NAMES
 
 PRESETS = {
     "tiny": GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64),
@@ -64,6 +66,7 @@ class TrainConfig:
     grad_accum: int = 1  # micro-batches per rank and optimizer step
     init: str = "meta"  # "meta": built on the meta device, initialized by gs.shard; "full"
     loss_scale: float = 2.0**16  # fp16: the scaler's initial scale (a checkpoint's on resume)
+    replicate: int = 1  # > 1: hybrid sharding, this many replicas of world / replicate shards
 
     def identity(self) -> dict[str, Any]:
         """What a checkpoint must share with the run that resumes it."""
@@ -135,6 +138,15 @@ class StopFlag:
         return self._signal or (signal.SIGINT if self.requested else 0)
 
 
+def hybrid_mesh(replicas: int, device: torch.device) -> DeviceMesh | None:
+    """The ``("replicate", "shard")`` mesh of ``replicas`` rows over the world; None for 1
+    (shard over the whole world)."""
+    if replicas == 1:
+        return None
+    shape = (replicas, dist.get_world_size() // replicas)
+    return init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIM_NAMES)
+
+
 class Run:
     """A worker's model, optimizer and data, built from the config."""
 
@@ -174,6 +186,7 @@ class Run:
                 unit=Block,
                 strategy=config.strategy,
                 mixed_precision=precision,
+                mesh=hybrid_mesh(config.replicate, device),
                 **materialize,
             )
             self.optimizer = optimizer_class(self.model.optimizer_groups(), **kwargs)
