@@ -438,6 +438,42 @@ def construction_table(reports: list[Report]) -> Lines:
     return markdown(header, rows)
 
 
+def hybrid_bytes_table(reports: list[Report]) -> Lines:
+    """``hybrid.py``: MiB each rank sends per step within its shard group and across the
+    replicas, counted and by the formulas (less the root's second gather, which groupshard
+    skips)."""
+    report = one(reports, "hybrid-bytes")
+    header = ["model", "layout", "parameters", "within, counted MiB", "within, formula MiB",
+              "formula less the root's second gather", "across, counted MiB",
+              "across, formula MiB", "other (used flags) bytes"]  # fmt: skip
+    rows = [
+        [
+            row["model"], row["layout"], f"{row['parameters']:,}", mib(row["within"]),
+            mib(row["formula_within"]),
+            mib(row["formula_within"] - row["root_not_regathered"]), mib(row["across"]),
+            mib(row["formula_across"]), f"{row['other']:.0f}",
+        ]  # fmt: skip
+        for row in report["measured"]
+    ]
+    return markdown(header, rows)
+
+
+def hybrid_model_table(reports: list[Report]) -> Lines:
+    """``hybrid.py``: modeled communication milliseconds per step, full sharding over every
+    GPU against HSDP with one replica per node."""
+    report = one(reports, "hybrid-model")
+    counts = report["node_counts"]
+    header = ["model", "parameter MiB"] + [
+        f"{n} nodes: {kind} ms" for n in counts for kind in ("full", "HSDP")
+    ]
+    rows = [
+        [row["model"], mib(row["parameter_bytes"], ",.0f")]
+        + [f"{row[str(n)][kind]:.2f}" for n in counts for kind in ("full", "hsdp")]
+        for row in report["modeled"]
+    ]
+    return markdown(header, rows)
+
+
 def before_after_table(reports: list[Report]) -> Lines:
     """An A/B of two commits, runs interleaved (``{"old": [runs], "new": [runs]}``): each
     row's median step time and median ratio to DDP over the runs, before and after."""
@@ -474,6 +510,8 @@ KINDS: dict[str, Callable[[list[Report]], Lines]] = {
     "muon-exchange": muon_exchange_table,
     "overlap": overlap_table,
     "construction": construction_table,
+    "hybrid-bytes": hybrid_bytes_table,
+    "hybrid-model": hybrid_model_table,
 }
 
 
