@@ -452,7 +452,7 @@ def hybrid_bytes_table(reports: list[Report]) -> Lines:
             mib(row["formula_within"]),
             mib(row["formula_within"] - row["root_not_regathered"]), mib(row["across"]),
             mib(row["formula_across"]), f"{row['other']:.0f}",
-        ]  # fmt: skip
+        ]
         for row in report["measured"]
     ]
     return markdown(header, rows)
