@@ -351,7 +351,7 @@ def test_what_is_exact_stays_exact(run_ranks):
         assert result["muon"] == []
 
 
-def zero_case(rank: int, world_size: int) -> dict[str, Any]:
+def zero_case(rank: int, world_size: int, path: str) -> dict[str, Any]:
     """gs.ZeroRedundancyOptimizer over each shard group of a 2x2 mesh (ZeRO-1 within, DDP
     across, as torch's with a process_group), beside one process on the global batch."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -375,7 +375,9 @@ def zero_case(rank: int, world_size: int) -> dict[str, Any]:
         reference_opt.zero_grad()
     zero.consolidate_state_dict(to=0)  # group rank 0 of each shard group
     held = len(zero.state_dict()["state"]) if zero.rank == 0 else None
+    gs.checkpoint.save(path, ddp, zero)  # by the whole world, each piece once
     return {
+        "reference": (reference.state_dict(), reference_opt.state_dict()),
         "difference": max_difference(model.state_dict(), reference.state_dict()),
         "group rank": zero.rank,
         "group size": zero.world_size,
@@ -384,10 +386,19 @@ def zero_case(rank: int, world_size: int) -> dict[str, Any]:
     }
 
 
-def test_zero_optimizer_within_a_process_group(run_ranks):
-    results = run_ranks(4, zero_case)
+def test_zero_optimizer_within_a_process_group(run_ranks, tmp_path):
+    path, output = str(tmp_path / "zero"), str(tmp_path / "plain.pt")
+    results = run_ranks(4, zero_case, path)
     assert [(r["group rank"], r["group size"]) for r in results] == [(0, 2), (1, 2)] * 2
     for result in results:
         assert result["difference"] < 1e-5
         if result["group rank"] == 0:  # every parameter's state, gathered within the group
             assert result["consolidated states"] == result["parameters"]
+    gs.checkpoint.to_torch_save(path, output)
+    saved = torch.load(output, weights_only=True)
+    model_state, optimizer_state = results[0]["reference"]
+    assert max_difference(saved["model"], model_state) < 1e-5
+    states = saved["optim"]["state"]
+    assert sorted(states) == sorted(optimizer_state["state"])
+    for index, state in optimizer_state["state"].items():
+        assert max_difference(states[index], state) < 1e-5, index

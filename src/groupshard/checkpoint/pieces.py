@@ -283,7 +283,9 @@ class ZeroHolder(Holder):
             )
         self.module = module
         self.optimizer = self.zero = optimizer
-        self.ranks = optimizer.ranks
+        # the whole world saves: with a process_group per replica (ZeRO-1 within, DDP across)
+        # the replicas offer the same pieces, and DCP's planner writes each once
+        self.ranks = comm.resolve_ranks() if optimizer.ranks.group is not None else optimizer.ranks
         names: dict[int, list[str]] = {}
         self.params: dict[str, nn.Parameter] = {}
         for name, param in module.named_parameters(remove_duplicate=False):
