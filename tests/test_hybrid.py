@@ -29,6 +29,7 @@ from helpers import (
     global_batches,
     max_difference,
     three_groups,
+    train_side_by_side,
 )
 
 SHAPES = ((2, 2), (1, 4), (4, 1))
@@ -56,13 +57,7 @@ def _train(
     )  # fmt: skip
     opt = OPTIMIZERS[optimizer](sharded.optimizer_groups())
     reference_opt = OPTIMIZERS[optimizer](three_groups(reference, head_lr=1e-3))
-    for inputs, targets in global_batches(steps, world_size):
-        local = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
-        sharded(inputs[local], targets[local]).backward()
-        reference(inputs, targets).backward()
-        for o in (opt, reference_opt):
-            o.step()
-            o.zero_grad()
+    train_side_by_side(sharded, opt, reference, reference_opt, steps, rank, world_size)
     return sharded, opt, max_difference(gs.full_state_dict(sharded), reference.state_dict())
 
 
