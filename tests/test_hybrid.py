@@ -397,3 +397,34 @@ def test_zero_optimizer_within_a_process_group(run_ranks, tmp_path):
     assert sorted(states) == sorted(optimizer_state["state"])
     for index, state in optimizer_state["state"].items():
         assert max_difference(states[index], state) < 1e-5, index
+
+
+def used_on_one_rank_case(rank: int, world_size: int, accumulate: bool) -> dict[str, Any]:
+    """A matrix that only rank 3 (in the second replica) uses: every replica must step it
+    (it had a gradient on some rank), else the replicas part ways. With ``accumulate``,
+    every rank uses it in the first of two micro-batches, reduced without the all-reduce
+    across replicas (``set_requires_all_reduce(False)``): it had a gradient in that step."""
+    torch.manual_seed(0)
+    model = muon.OddNet()
+    before = model.blocks[0].mix.weight.detach().clone()
+    sharded = gs.shard(model, muon.make_groups(model), unit=muon.OddBlock, mesh=hsdp_mesh((2, 2)))
+    optimizer = torch.optim.AdamW(sharded.optimizer_groups(), lr=1e-2, weight_decay=0.1)
+    generator = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        for micro_batch in range(2 if accumulate else 1):
+            sharded.set_requires_all_reduce(not accumulate or micro_batch == 1)
+            sharded.blocks[0].use_mix = micro_batch == 0 if accumulate else rank == 3
+            idx = torch.randint(0, muon.VOCAB, (2, muon.SEQ), generator=generator)
+            sharded(idx, idx.roll(1, dims=1)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    state = gs.full_state_dict(sharded)
+    return {"state": state, "moved": not torch.equal(state["blocks.0.mix.weight"], before)}
+
+
+def test_a_parameter_used_on_one_rank_moves_on_every_replica(run_ranks):
+    for accumulate in (False, True):
+        results = run_ranks(4, used_on_one_rank_case, accumulate)
+        for result in results:
+            assert result["moved"], accumulate
+            assert max_difference(result["state"], results[0]["state"]) == 0

@@ -189,12 +189,22 @@ class ShardedRuntime:
         self.buckets.send_all()
         orders = self._orders_followed()
         self.buckets.end_backward()
-        agreeing = agree_on_gradients_and_order(self.storages, orders, self.options.overlap)
+        # gradients held for a later all-reduce across replicas: the used flags wait for it
+        holding = not self.buckets.requires_all_reduce and self._has_replicas
+        agreeing = (
+            None
+            if holding
+            else agree_on_gradients_and_order(self.storages, orders, self.options.overlap)
+        )
         self.buckets.wait_all()
         if self.buckets.requires_all_reduce:
             reduce_held_partials(self.storages)
         if agreeing is not None:
             agreeing.wait()
+
+    @cached_property
+    def _has_replicas(self) -> bool:
+        return any(storage.replicas.size > 1 for storage in self.storages)
 
     @cached_property
     def _storage_names(self) -> dict[FlatStorage, str]:
