@@ -74,6 +74,11 @@ class GradientBuckets:
         while self._reducing:
             self._reducing.pop(0)[0].wait()
 
+    def _then_across(self, started: comm.Pending, flat: torch.Tensor) -> None:
+        """A reduced bucket's all-reduce across replicas, started when its reduce-scatter
+        was waited for: it runs on while backward goes on, waited for as the others."""
+        self._reducing.append((started, flat.numel() * flat.element_size()))
+
     def _send(self, dtype: torch.dtype) -> None:
         """One collective for every gradient waiting in the bucket of ``dtype`` (started,
         with overlap; waited for when too many run)."""
@@ -83,8 +88,9 @@ class GradientBuckets:
         self._sent.add(dtype)
         grads = [grad for _, grad in waiting]
         started = reduce_gradients(
-            [storage for storage, _ in waiting], grads, self.overlap, self.requires_all_reduce
-        )
+            [storage for storage, _ in waiting], grads, self.overlap, self.requires_all_reduce,
+            self._then_across,
+        )  # fmt: skip
         self._reducing.append((started, sum(g.numel() * g.element_size() for g in grads)))
         self.peak_reducing_bytes = max(
             self.peak_reducing_bytes, sum(size for _, size in self._reducing)
@@ -98,6 +104,7 @@ def reduce_gradients(
     grads: list[torch.Tensor],
     async_op: bool = False,
     all_reduce: bool = True,
+    then_across: Callable[[comm.Pending, torch.Tensor], None] | None = None,
 ) -> comm.Pending:
     """Average unsharded gradients over ranks into the storages' shard gradients.
 
@@ -107,13 +114,15 @@ def reduce_gradients(
     trainable shard sizes)`` is one ``_chunk_cat`` of every flat buffer's gradient. Under
     hybrid sharding, then one all-reduce of the reduced shards across the replicas
     (``across_replicas``); ``all_reduce=False`` keeps them on this rank for a later one
-    instead. With ``async_op``, the shards have their gradients after ``wait()``.
+    instead. With ``async_op``, the shards have their gradients after ``wait()``, or, under
+    hybrid sharding, after the wait of the all-reduce that ``wait()`` starts and hands to
+    ``then_across`` (without ``then_across``, ``wait()`` waits for it too).
     """
     ranks = storages[0].ranks
     if storages[0].replicated:
         flat = grads[0] if len(grads) == 1 else torch.cat(grads)
         sizes = [grad.numel() for grad in grads]
-        finish = across_replicas(storages, flat, sizes, all_reduce)
+        finish = across_replicas(storages, flat, sizes, all_reduce, async_op, then_across)
         return comm.all_reduce_mean(flat, ranks, async_op, finish)
     per_buffer = [
         piece
@@ -126,37 +135,51 @@ def reduce_gradients(
         scatter_input = torch._chunk_cat(per_buffer, dim=0, num_chunks=ranks.size)
     sizes = [storage.layout.trainable_shard_numel for storage in storages]
     flat = grads[0].new_empty(sum(sizes))
-    finish = across_replicas(storages, flat, sizes, all_reduce)
+    finish = across_replicas(storages, flat, sizes, all_reduce, async_op, then_across)
     return comm.reduce_scatter_mean(flat, scatter_input, ranks, async_op, finish)
 
 
 def across_replicas(
-    storages: list[FlatStorage], flat: torch.Tensor, sizes: list[int], all_reduce: bool
+    storages: list[FlatStorage],
+    flat: torch.Tensor,
+    sizes: list[int],
+    all_reduce: bool,
+    async_op: bool = False,
+    then_across: Callable[[comm.Pending, torch.Tensor], None] | None = None,
 ) -> Callable[[], None]:
     """What follows the reduction within the shard group: assign each storage its part of
     ``flat``; under hybrid sharding first average it across the replicas (one all-reduce,
     with what earlier backwards without it held), or with ``all_reduce=False`` hold it.
 
     Note:
-        The all-reduce starts when the reduce-scatter is waited for: on NCCL that queues it
-        on the communication stream without blocking the host; on gloo it runs then.
+        The all-reduce starts when the reduce-scatter is waited for (on NCCL that wait only
+        orders the streams, the host goes on); with ``async_op`` and ``then_across`` it then
+        runs while backward goes on, and assigns the gradients at its own wait.
     """
     replicas = storages[0].replicas
 
-    def finish() -> None:
-        pieces = flat.split(sizes)
-        if replicas.size > 1 and not all_reduce:
-            for storage, piece in zip(storages, pieces, strict=True):
-                storage.gradients.hold_partial(piece)
-            return
-        if replicas.size > 1:
-            for storage, piece in zip(storages, pieces, strict=True):
-                held = storage.gradients.take_partial()
-                if held is not None:
-                    piece.add_(held)
-            comm.all_reduce_mean(flat, replicas)
-        for storage, piece in zip(storages, pieces, strict=True):
+    def assign() -> None:
+        for storage, piece in zip(storages, flat.split(sizes), strict=True):
             storage.gradients.assign(piece)
+
+    def finish() -> None:
+        if replicas.size == 1:
+            assign()
+            return
+        pieces = flat.split(sizes)
+        for storage, piece in zip(storages, pieces, strict=True):
+            if not all_reduce:
+                storage.gradients.hold_partial(piece)
+                continue
+            held = storage.gradients.take_partial()
+            if held is not None:
+                piece.add_(held)
+        if not all_reduce:
+            return
+        background = async_op and then_across is not None
+        started = comm.all_reduce_mean(flat, replicas, background, assign)
+        if background:
+            then_across(started, flat)  # type: ignore[misc]
 
     return finish
 
