@@ -370,7 +370,8 @@ def shard(
             then go in one reduce-scatter (DDP's buckets); 0 reduces each unit at once.
         first_bucket_bytes: the limit of each backward's first bucket (DDP's 1 MiB).
         prefetch_bytes: units that run next are gathered together while they fit in
-            this many bytes ("full", "grad_op"); 0 gathers each unit on its own.
+            this many bytes ("full", "grad_op"); 0 gathers each unit on its own. The
+            next unit is prefetched whatever its size (with ``overlap``).
         mixed_precision: a ``gs.MixedPrecision``, or ``(unit_name, module) ->
             gs.MixedPrecision | None`` for one per unit; the shards stay the masters.
         overlap: start collectives asynchronously and wait as late as possible;
