@@ -118,7 +118,7 @@ def checksum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     thread count). Any single changed word changes the plain sum; it is a checksum to
     catch ranks that initialized differently, not a cryptographic hash.
     """
-    device = tensors[0].device if tensors else torch.device("cpu")
+    device = tensors[0].device if tensors else None
     total = torch.zeros(2, dtype=torch.int64, device=device)
     weights = torch.arange(1, CHECKSUM_CHUNKS + 1, dtype=torch.int64, device=device)
     for tensor in tensors:
@@ -137,8 +137,9 @@ def checksum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def same_on_every_rank(tensors: Sequence[torch.Tensor], ranks: comm.Ranks) -> bool:
     """Whether every rank's ``tensors`` have the same ``checksum`` (one all-reduce; the
-    same answer on every rank)."""
-    if ranks.size == 1:
+    same answer on every rank). Nothing to compare (a unit owning no parameters and no
+    buffers, the same on every rank) needs no collective."""
+    if ranks.size == 1 or not tensors:
         return True
     mine = checksum(tensors)
     # the largest checksum, and the largest of their bitwise complements (~x = -x - 1,
