@@ -4,6 +4,7 @@ rank computes slower; and the native collectives NCCL uses work on gloo too."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import time
 from collections import Counter
@@ -20,6 +21,7 @@ from groupshard.cli.model import Block
 
 from helpers import (
     BATCH_PER_RANK,
+    TINY,
     UNITS,
     EdgeGPT,
     equivalence_case,
@@ -151,7 +153,7 @@ def prefetch_case(rank: int, world_size: int, strategy: str, prefetch_bytes: int
     """A few steps; each all-gather of the last step as (phase, asynchronous), the peak of
     gathered bytes, and each unit's unsharded bytes (the root first)."""
     torch.manual_seed(0)
-    model = EdgeGPT()
+    model = EdgeGPT(dataclasses.replace(TINY, n_layer=4))  # 3 blocks could be held at once
     sharded = gs.shard(
         model, three_groups(model, 1e-3), unit=UNITS, strategy=strategy,
         prefetch_bytes=prefetch_bytes,
