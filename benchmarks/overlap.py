@@ -1,6 +1,7 @@
 """Overlap of communication and computation: groupshard with ``overlap`` on and off.
 
-    python benchmarks/overlap.py [--model 4m|small-params|30m|tiny] [--rounds 15] [--warmup 3]
+    python benchmarks/overlap.py [--model 4m|small-params|30m|gpt2-blocks|tiny] [--rounds 15]
+                                 [--warmup 3]
                                  [--reduce-bucket-mb 25] [--prefetch-mb 25] [--no-deepspeed]
                                  [--json PATH]
 
@@ -42,6 +43,12 @@ every row's parameters are compared with DDP's (groupshard within 1e-5, FSDP2 wi
 ``benchmarks/run.py``), and each groupshard row with overlap on against the same
 strategy with overlap off (bit-for-bit equal); the script exits with 1 if one of these checks fails.
 
+``gpt2-blocks`` has GPT-2 124M's blocks (width 768, 28.3 MB each in fp32, above the 25 MiB
+default ``prefetch_bytes``; 4 of them, 8192 tokens): the timeline shows whether each
+block's all-gather is prefetched (``gathers_async`` of ``gathers`` per step) or runs when
+the block does. The JSON names the groupshard source and commit it ran
+(``groupshard_source``), so a run of the library before a change can sit beside one after.
+
 Output: a table with the ratios (each row / DDP, ``full`` / FSDP2, ``grad_op`` /
 DeepSpeed ZeRO-2), the hidden fraction per strategy, issue 13's targets for the model
 (met or missed, with overlap on and off), and a JSON file (default
@@ -58,6 +65,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -74,8 +82,9 @@ import run as bench  # benchmarks/run.py: models, batches, init, spawning the ra
 from optimizers import adamw, decay_groups
 from systems import DDP, FSDP2, DeepSpeed, Groupshard, System, deepspeed_available
 
+import groupshard
 from groupshard import comm
-from groupshard.cli.model import GPT
+from groupshard.cli.model import GPT, GPTConfig
 
 STRATEGIES = ("full", "grad_op", "no_shard")
 COMM_FUNCTIONS = (
@@ -105,6 +114,14 @@ TARGETS = (
     ("full", "FSDP2", 0.8, ("4m",)),
     ("grad_op", "ZeRO-2", 0.95, None),
 )
+MODELS = {
+    **bench.MODELS,
+    # GPT-2 124M's blocks (width 768, 12 heads: 28.3 MB fp32, above prefetch_bytes' 25 MiB)
+    "gpt2-blocks": (
+        GPTConfig(vocab_size=8192, block_size=128, n_layer=4, n_head=12, n_embd=768),
+        2,
+    ),
+}
 TOLERANCE_GROUPSHARD = 1e-5  # max |parameter - DDP's| after the run (the same fp32 sums)
 TOLERANCE_OTHERS = 1e-4  # FSDP2 (its own reductions)
 
@@ -256,6 +273,7 @@ def summarize(step: dict[str, Any], partner: dict[str, Any]) -> dict[str, Any]:
         late += _partner_late(event, others[index] if index < len(others) else None, shift)
     started = [e for e in events if e["async"] and e.get("done") is not None and "end" in e]
     exposed = sum(exposed_by_op.values())
+    gathers = [e for e in events if e["op"] == "all_gather"]
     return {
         "exposed_ms": exposed,
         "exposed_ms_by_op": exposed_by_op,
@@ -268,6 +286,8 @@ def summarize(step: dict[str, Any], partner: dict[str, Any]) -> dict[str, Any]:
         "async_blocked_ms": sum(e["blocked"] for e in started),
         "async_start_ms": sum(e["end"] - e["start"] for e in started),
         "async_not_waited": sum(1 for e in events if e["async"] and e.get("done", 0) is None),
+        "gathers": len(gathers),
+        "gathers_async": sum(1 for e in gathers if e["async"]),
     }
 
 
@@ -336,7 +356,7 @@ def _max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> f
 def _worker(rank: int, args: argparse.Namespace, store_path: str, result_path: str) -> None:
     bench._init(rank, 2, store_path, "cpu")
     install_timeline()
-    config, batch = bench.MODELS[args.model]
+    config, batch = MODELS[args.model]
     torch.manual_seed(0)
     base = GPT(config)
     table = systems(
@@ -409,7 +429,8 @@ def report(args: argparse.Namespace, per_rank: list[dict[str, Any]]) -> dict[str
         if name.startswith("groupshard"):
             keys = ("exposed_ms", "partner_late_ms", "exposed_without_partner_late_ms",
                     "finish_ms", "collectives", "async_collectives", "async_span_ms",
-                    "async_blocked_ms", "async_start_ms", "async_not_waited")  # fmt: skip
+                    "async_blocked_ms", "async_start_ms", "async_not_waited", "gathers",
+                    "gathers_async")  # fmt: skip
             raw = [r[name]["steps"] for r in per_rank]
             ranks = [
                 [summarize(step, other) for step, other in zip(raw[r], raw[1 - r], strict=True)]
@@ -472,6 +493,8 @@ def report(args: argparse.Namespace, per_rank: list[dict[str, Any]]) -> dict[str
         "rounds": args.rounds,
         "reduce_bucket_bytes": int(args.reduce_bucket_mb * 2**20),
         "prefetch_bytes": int(args.prefetch_mb * 2**20),
+        "label": args.label,
+        "groupshard_source": _source(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
         f"{platform.python_version()}, torch {torch.__version__}",
         "load_average_after": os.getloadavg(),
@@ -483,6 +506,22 @@ def report(args: argparse.Namespace, per_rank: list[dict[str, Any]]) -> dict[str
     result["targets"] = targets(result)
     result["checks"] = checks(result)
     return result
+
+
+def _source() -> dict[str, str]:
+    """Where the groupshard that ran comes from: its folder and git commit (if any)."""
+    folder = os.path.dirname(os.path.abspath(groupshard.__file__))
+    try:
+        commit = subprocess.run(
+            ["git", "-C", folder, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", folder, "status", "--porcelain", "--", "."],
+            capture_output=True, text=True, timeout=10,
+        ).stdout.strip()  # fmt: skip
+    except OSError:
+        commit, dirty = "", ""
+    return {"folder": folder, "commit": commit + (" (modified)" if dirty else "")}
 
 
 def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -579,6 +618,12 @@ def print_report(result: dict[str, Any]) -> None:
               f" | step on/off {_fmt(h['step_on_over_off'], '5.3f')} "
               f"({_fmt(h['step_on_over_off_paired'], '5.3f')})"
               f" | non-comm {h['non_comm_off_ms']:6.1f} -> {h['non_comm_on_ms']:6.1f}")  # fmt: skip
+    print("all-gathers per step, overlap on, started ahead (prefetched) / all, and their "
+          "exposed ms:")  # fmt: skip
+    for strategy in STRATEGIES:
+        on = result["rows"][_row(strategy, True)]
+        print(f"  {strategy:9s} {on['gathers_async']:.0f} / {on['gathers']:.0f}, "
+              f"{on['exposed_ms_by_op'].get('all_gather', 0.0):.1f} ms")  # fmt: skip
     print(f"\n{result['hidden_fraction_definition']}.\nlate: of the exposed time, what was "
           "spent before the other rank had started the same collective (same monotonic clock "
           "on both ranks), mean of the 2 ranks.\n/DDP, /FSDP2: ratio of median step times; "
@@ -623,7 +668,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", choices=sorted(bench.MODELS), default="4m")
+    parser.add_argument("--model", choices=sorted(MODELS), default="4m")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument(
@@ -637,6 +682,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-deepspeed", action="store_true",
         help="leave out the DeepSpeed ZeRO-2 row even where DeepSpeed is installed",
+    )  # fmt: skip
+    parser.add_argument(
+        "--label", default="",
+        help="what this run is, kept in the JSON (e.g. the library before a change)",
     )  # fmt: skip
     parser.add_argument("--json", help="default: benchmarks/results-overlap-<model>.json")
     args = parser.parse_args(argv)

@@ -398,6 +398,30 @@ def overlap_table(reports: list[Report]) -> Lines:
     return markdown(header, rows)
 
 
+def prefetch_table(reports: list[Report]) -> Lines:
+    """Prefetching big units (``overlap.py``'s runs, each with its ``label``): per run, the
+    overlapped ``full`` and ``grad_op`` rows' all-gathers started ahead, exposed gather time,
+    step time and ratios."""
+    header = ["run", "strategy", "all-gathers prefetched / all per step",
+              "exposed all-gather ms/step", "exposed comm ms/step", "step ms",
+              "x FSDP2 (paired)", "x DDP (paired)"]  # fmt: skip
+    rows = []
+    for report in reports:
+        for strategy in ("full", "grad_op"):
+            row = row_of(report, f"groupshard {strategy} overlap on")
+            rows.append([
+                report.get("label") or report["model"],
+                strategy,
+                f"{row['gathers_async']:.0f} / {row['gathers']:.0f}",
+                f"{row['exposed_ms_by_op'].get('all_gather', 0.0):.1f}",
+                f"{row['exposed_ms']:.1f}",
+                f"{row['step_ms']:.0f}",
+                with_paired(row["ratio_to_FSDP2"], row["ratio_to_FSDP2_paired"]),
+                with_paired(row["ratio_to_DDP"], row["ratio_to_DDP_paired"]),
+            ])  # fmt: skip
+    return markdown(header, rows)
+
+
 # ----------------------------------------------------------- benchmarks/construction.py table
 
 CONSTRUCTION_LABELS = {
@@ -509,6 +533,7 @@ KINDS: dict[str, Callable[[list[Report]], Lines]] = {
     "muon": muon_table,
     "muon-exchange": muon_exchange_table,
     "overlap": overlap_table,
+    "prefetch": prefetch_table,
     "construction": construction_table,
     "hybrid-bytes": hybrid_bytes_table,
     "hybrid-model": hybrid_model_table,

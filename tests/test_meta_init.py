@@ -6,15 +6,21 @@ from __future__ import annotations
 
 import copy
 import re
+import warnings
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 import groupshard as gs
+from groupshard import comm
 from groupshard.cli.model import GPT, Block, GPTConfig
+from groupshard.materialize import checksum
 
 from helpers import TINY, UNITS, EdgeGPT, max_difference, train_side_by_side
 
@@ -243,3 +249,83 @@ def broadcast_case(rank: int, world_size: int) -> bool:
 
 def test_load_from_rank0_only(run_ranks):
     assert all(run_ranks(3, broadcast_case))
+
+
+def _init_reading_the_rank(module: nn.Module) -> None:
+    """GPT's init, but a marked module's weight is the rank: ranks initialize it differently."""
+    GPT._init_weights(module)
+    if getattr(module, "marked", False):
+        module.weight.fill_(dist.get_rank() if dist.is_initialized() else 0)
+
+
+def _first_build(init: str) -> GPT:
+    model = _meta_gpt()
+    model.blocks[1].fc.marked = True
+    return gs.shard(
+        model, None, unit=Block,
+        param_init_fn=GPT._init_weights if init == "deterministic" else _init_reading_the_rank,
+    )  # fmt: skip
+
+
+def first_build_case(rank: int, world_size: int, init: str) -> dict[str, Any]:
+    """A meta-built GPT sharded by ranks seeded differently: the bytes each broadcast moved,
+    the warnings, and the initial weights."""
+    torch.manual_seed(100 + rank)  # sync_module_states: rank 0's seed decides
+    broadcasts: list[int] = []
+    original = comm.broadcast
+
+    def counted(tensor: torch.Tensor, ranks: comm.Ranks, src_rank: int = 0) -> None:
+        broadcasts.append(tensor.numel() * tensor.element_size())
+        original(tensor, ranks, src_rank)
+
+    with (
+        mock.patch.object(comm, "broadcast", counted),
+        warnings.catch_warnings(record=True) as caught,
+    ):
+        warnings.simplefilter("always")
+        sharded = _first_build(init)
+    return {
+        "broadcasts": broadcasts,
+        "warnings": [str(w.message) for w in caught],
+        "state": gs.full_state_dict(sharded),
+        "block_bytes": sum(p.numel() * 4 for p in GPT(TINY).blocks[1].parameters()),
+    }
+
+
+def test_a_deterministic_init_is_not_broadcast(run_ranks):
+    """Initialized from rank 0's seed, every rank builds rank 0's model itself: the ranks
+    compare checksums instead of broadcasting each unit; a unit initialized differently
+    (an init reading the rank) is broadcast from rank 0 alone, with a warning, so the ranks
+    still end with rank 0's values (sync_module_states' promise)."""
+    torch.manual_seed(100)
+    reference = gs.full_state_dict(_first_build("deterministic"))
+    for result in run_ranks(2, first_build_case, "deterministic"):
+        assert result["broadcasts"] == [8], result["broadcasts"]  # rank 0's seed alone
+        assert result["warnings"] == []
+        assert max_difference(result["state"], reference) == 0
+    for result in run_ranks(2, first_build_case, "reading the rank"):
+        # the seed, then block 1 (padded to a multiple of the world size)
+        seed, *unit = result["broadcasts"]
+        assert seed == 8 and len(unit) == 1, result["broadcasts"]
+        assert result["block_bytes"] <= unit[0] < result["block_bytes"] + 64
+        assert len(result["warnings"]) == 1 and "['blocks.1']" in result["warnings"][0]
+        assert torch.equal(result["state"]["blocks.1.fc.weight"], torch.zeros(64, 16))  # rank 0's
+        rest = {k: v for k, v in result["state"].items() if k != "blocks.1.fc.weight"}
+        assert max_difference(rest, {k: reference[k] for k in rest}) == 0
+
+
+def test_checksum_sees_every_word_and_its_place():
+    torch.manual_seed(0)
+    values = torch.randn(1000)
+    base = checksum([values])
+    changed = values.clone()
+    changed[500] = torch.nextafter(changed[500], torch.tensor(1.0))  # one bit
+    swapped = values.clone()
+    swapped[[0, 999]] = values[[999, 0]]  # the same words in other places
+    for other in (changed, swapped):
+        assert not torch.equal(checksum([other]), base)
+    # odd byte counts and dtypes, empty and 0-dim tensors, a view at an odd offset
+    odd = torch.randn(7, dtype=torch.bfloat16)
+    parts = [odd, torch.empty(0), torch.tensor(3.0), values[1:], torch.ones(3, dtype=torch.bool)]
+    assert torch.equal(checksum(parts), checksum([p.clone() for p in parts]))
+    assert not torch.equal(checksum(parts), checksum(parts[:-1]))

@@ -4,6 +4,7 @@ rank computes slower; and the native collectives NCCL uses work on gloo too."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import time
 from collections import Counter
@@ -20,6 +21,7 @@ from groupshard.cli.model import Block
 
 from helpers import (
     BATCH_PER_RANK,
+    TINY,
     UNITS,
     EdgeGPT,
     equivalence_case,
@@ -134,16 +136,68 @@ def test_a_slow_rank_changes_nothing(run_ranks):
 
 @pytest.mark.parametrize("strategy", ["full", "grad_op", "no_shard"])
 def test_memory_in_flight_is_bounded(run_ranks, strategy):
-    """Gathered: the root (kept), the unit computing and a prefetch window of at most
-    prefetch_bytes. Gradients reducing: at most REDUCES_IN_FLIGHT buckets, each less than
-    reduce_bucket_bytes plus one unit's gradient."""
+    """Gathered: the root (kept), the unit computing and the next window (one unit, or
+    several up to prefetch_bytes). Gradients reducing: at most REDUCES_IN_FLIGHT buckets,
+    each less than reduce_bucket_bytes plus one unit's gradient."""
     prefetch, bucket = 8192, 4096
     for result in run_ranks(2, train_case, strategy, True, bucket, prefetch):
         if strategy == "full":
-            bound = result["root_bytes"] + result["largest_unit"] + prefetch
+            largest = result["largest_unit"]
+            bound = result["root_bytes"] + largest + max(largest, prefetch)
             assert result["peak_gathered"] <= bound, result
         gradient_bound = buckets.REDUCES_IN_FLIGHT * (bucket + result["largest_gradient"])
         assert 0 < result["peak_reducing"] <= gradient_bound, result
+
+
+def prefetch_case(rank: int, world_size: int, strategy: str, prefetch_bytes: int) -> dict:
+    """A few steps; each all-gather of the last step as (phase, asynchronous), the peak of
+    gathered bytes, and each unit's unsharded bytes (the root first)."""
+    torch.manual_seed(0)
+    model = EdgeGPT(dataclasses.replace(TINY, n_layer=4))  # 3 blocks could be held at once
+    sharded = gs.shard(
+        model, three_groups(model, 1e-3), unit=UNITS, strategy=strategy,
+        prefetch_bytes=prefetch_bytes,
+    )  # fmt: skip
+    optimizer = torch.optim.AdamW(sharded.optimizer_groups(), lr=3e-3)
+    runtime = sharded.groupshard.runtime
+    gathers: list[tuple[str, bool]] = []
+    original = comm.all_gather
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        arguments = inspect.signature(original).bind(*args, **kwargs).arguments
+        gathers.append((runtime.state.name, bool(arguments.get("async_op"))))
+        return original(*args, **kwargs)
+
+    for inputs, targets in global_batches(3, world_size):
+        gathers.clear()
+        local = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
+        with mock.patch.object(comm, "all_gather", recorded):
+            sharded(inputs[local], targets[local]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {
+        "gathers": Counter(gathers),
+        "peak_gathered": runtime.gathers.peak_gathered_bytes,
+        "unit_bytes": [unit.unsharded_bytes for unit in runtime.units],
+    }
+
+
+@pytest.mark.parametrize("strategy", ["full", "grad_op"])
+def test_units_larger_than_prefetch_bytes_are_prefetched(run_ranks, strategy):
+    """Every unit is larger than prefetch_bytes but one: each is still prefetched (one unit
+    ahead, as FSDP2), in forward and (full) in backward; full holds at most the root, the
+    unit computing and the next one at once."""
+    for result in run_ranks(2, prefetch_case, strategy, 1024):
+        units = result["unit_bytes"]
+        assert sum(size > 1024 for size in units) == len(units) - 1  # Shift is the small one
+        # the root's gather starts a forward, the others are prefetched
+        expected = {("FORWARD", False): 1, ("FORWARD", True): len(units) - 1}
+        if strategy == "full":  # the root stays gathered into backward, which starts with it
+            expected[("BACKWARD", True)] = len(units) - 1
+        assert dict(result["gathers"]) == expected, result
+        root, *others = units
+        if strategy == "full":  # grad_op keeps every unit from forward to backward's end
+            assert result["peak_gathered"] <= root + 2 * max(others) < sum(units), result
 
 
 def native_case(rank: int, world_size: int, strategy: str, overlap: bool) -> float:

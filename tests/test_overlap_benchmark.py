@@ -41,6 +41,9 @@ def test_overlap_benchmark_runs_and_checks(tmp_path):
         # overlap on starts collectives asynchronously and waits for them; off never does
         assert on["async_collectives"] >= 1 and off["async_collectives"] == 0, strategy
         assert on["async_not_waited"] == 0, strategy
+        # all-gathers per step, and those started ahead (prefetched): none without overlap
+        assert 0 <= on["gathers_async"] <= on["gathers"] and off["gathers_async"] == 0, strategy
+        assert on["gathers"] == off["gathers"], strategy
         assert off["exposed_ms"] > 0 and on["exposed_ms"] >= 0, strategy
         hidden = report["hidden"][strategy]
         assert math.isclose(hidden["hidden_fraction"], 1 - on["exposed_ms"] / off["exposed_ms"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -20,10 +21,12 @@ from groupshard.groups import ParamGroups, ResolvedGroups, resolve_groups
 from groupshard.layout import FROZEN_GROUP, StorageLayout, build_storage
 from groupshard.materialize import (
     ParamInitFn,
+    agreed_seed,
     check_initializable,
     materialize_unit,
     meta_parameters,
     release_free_memory,
+    same_on_every_rank,
 )
 from groupshard.mesh import MeshRanks, check_mesh, mesh_ranks, mesh_signature
 from groupshard.options import BUCKET_BYTES, FIRST_BUCKET_BYTES, ShardOptions
@@ -381,12 +384,15 @@ def shard(
             replicates across (hybrid sharding, docs/hybrid-sharding.md).
         default_group: hyperparameters for trainable parameters no group names;
             ``None`` makes leaving one out an error.
-        sync_module_states: broadcast rank 0's parameters and buffers first, as DDP does.
+        sync_module_states: broadcast rank 0's parameters and buffers first, as DDP does;
+            a meta-built model is initialized from rank 0's seed on every rank and only
+            a unit whose checksums differ between ranks is broadcast.
         reduce_bucket_bytes: gradients wait in a bucket until this many bytes are ready,
             then go in one reduce-scatter (DDP's buckets); 0 reduces each unit at once.
         first_bucket_bytes: the limit of each backward's first bucket (DDP's 1 MiB).
         prefetch_bytes: units that run next are gathered together while they fit in
-            this many bytes ("full", "grad_op"); 0 gathers each unit on its own.
+            this many bytes ("full", "grad_op"); 0 gathers each unit on its own. The
+            next unit is prefetched whatever its size (with ``overlap``).
         mixed_precision: a ``gs.MixedPrecision``, or ``(unit_name, module) ->
             gs.MixedPrecision | None`` for one per unit; the shards stay the masters.
         overlap: start collectives asynchronously and wait as late as possible;
@@ -454,7 +460,9 @@ def shard(
             layouts,
             device=target,
             param_init_fn=param_init_fn,
-            base_seed=torch.initial_seed(),
+            base_seed=agreed_seed(torch.initial_seed(), ranks, target)
+            if options.sync_module_states
+            else torch.initial_seed(),
         )
         if target is not None
         else None
@@ -487,20 +495,24 @@ def _shard_units(
         for buffer in model.buffers():
             comm.broadcast(buffer.data, sharding.world)
     units = []
+    differing: list[str] = []  # meta-built units the ranks initialized differently
     for name in plan.names:
         flats: dict[torch.dtype, torch.Tensor] = {}
+        sync = options.sync_module_states
         if materialize is not None:
             buffers, flats = materialize(name)
-            for buffer in buffers:
-                if options.sync_module_states:
-                    comm.broadcast(buffer.data, sharding.world)
+            # initialized from rank 0's seed: broadcast only if the ranks' checksums differ
+            sync = sync and not same_on_every_rank([*flats.values(), *buffers], sharding.world)
+            for buffer in buffers if sync else ():
+                comm.broadcast(buffer.data, sharding.world)
+            differing += [name or "<root>"] if sync else []
         policy = policies[name] or MixedPrecision()
         storages = [
             FlatStorage(
                 layout,
                 sharding.shard,
                 params,
-                options.sync_module_states,
+                sync,
                 compute_dtype=policy.compute_dtype(layout.dtype),
                 reduce_dtype=policy.gradient_dtype(layout.dtype),
                 unsharded=flats.get(layout.dtype),
@@ -522,6 +534,13 @@ def _shard_units(
         if materialize is not None:
             del flats
             release_free_memory()
+    if differing:
+        warnings.warn(
+            f"Units {differing} were initialized differently on different ranks (an init "
+            "drawing from a random source other than torch's seeded generators, or reading "
+            "the rank): rank 0's values were broadcast to every rank (sync_module_states).",
+            stacklevel=3,
+        )
     return units
 
 

@@ -17,6 +17,7 @@ keeps them referenced until the wait.
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,12 +74,39 @@ def _emulated(ranks: Ranks) -> bool:
 
 @dataclass(frozen=True)
 class Ranks:
-    """The process group a model is sharded over, with this process's place in it."""
+    """The process group a model is sharded over, with this process's place in it.
 
-    group: Any  # dist.ProcessGroup, or None for a single process
+    The group is held weakly. ``dist.destroy_process_group()`` drops torch's references;
+    if a model kept the group alive past that, its C++ object (and gloo's worker threads)
+    would live until interpreter shutdown, and a worker still releasing a finished
+    collective's tensors then needs the GIL of a finalizing interpreter: the thread exits
+    inside a noexcept destructor and the process aborts ("terminate called without an
+    active exception", issue 27). Dropped with the last reference, the group joins its
+    threads at once, while Python still runs.
+    """
+
+    group_ref: Callable[[], Any] | None  # weakref to a dist.ProcessGroup; None: one process
     rank: int
     size: int
     backend: str = "none"
+
+    @property
+    def group(self) -> Any:
+        """The process group, or None for a single process.
+
+        Raises:
+            RuntimeError: the group was destroyed (``dist.destroy_process_group()``).
+        """
+        if self.group_ref is None:
+            return None
+        group = self.group_ref()
+        if group is None:
+            raise RuntimeError(
+                "the process group this model or optimizer was sharded over has been "
+                "destroyed (torch.distributed.destroy_process_group()); it cannot "
+                "communicate any more: save what you need before destroying the group"
+            )
+        return group
 
     @property
     def is_gloo(self) -> bool:
@@ -87,7 +115,7 @@ class Ranks:
     @property
     def is_local(self) -> bool:
         """One process: every collective over it is a local copy (no call into c10d)."""
-        return self.group is None or self.size == 1
+        return self.group_ref is None or self.size == 1
 
 
 def resolve_ranks(process_group: Any = None) -> Ranks:
@@ -111,7 +139,7 @@ def resolve_ranks(process_group: Any = None) -> Ranks:
             return Ranks(None, 0, 1)
         process_group = dist.group.WORLD
     return Ranks(
-        process_group,
+        weakref.ref(process_group),
         dist.get_rank(process_group),
         dist.get_world_size(process_group),
         str(dist.get_backend(process_group)),

@@ -2,10 +2,13 @@
 
 A unit is gathered before it runs, together with the units that run after it (in the
 last forward's order, and for ``full`` in the last backward's) while they fit in
-``prefetch_bytes``: one all-gather for the window. With overlap, the next window's
-all-gather starts before the last unit of the current window computes, and is waited for
-when its first unit runs. The windows follow each rank's recorded order, so every rank
-must run its units in the same order (``end_of_backward`` checks it).
+``prefetch_bytes``: one all-gather for the window. With overlap, the window of the unit
+that runs next is always prefetched, whatever its size (FSDP2's default: one unit ahead):
+its all-gather starts before the last unit of the current window computes, and is waited
+for when its first unit runs. So ``full`` holds at most the root, the unit computing and
+the next window (one unit, or several together up to ``prefetch_bytes``). The windows
+follow each rank's recorded order, so every rank must run its units in the same order
+(``end_of_backward`` checks it).
 """
 
 from __future__ import annotations
@@ -69,8 +72,12 @@ class GatherSchedule:
             self._wait_for(unit)
 
     def gathered_bytes(self) -> int:
-        """Bytes of unsharded parameters allocated right now."""
-        return sum(unit.unsharded_bytes for unit in self.units if unit.is_gathered)
+        """Bytes of unsharded parameters allocated right now: gathered or being gathered."""
+        return sum(
+            unit.unsharded_bytes
+            for unit in self.units
+            if unit.is_gathered or unit in self._in_flight
+        )
 
     def _gather_for_use(self, unit: UnitRuntime, order: Sequence[UnitRuntime]) -> None:
         """Make ``unit`` gathered (waiting for its prefetch, or gathering its window now),
@@ -78,21 +85,23 @@ class GatherSchedule:
         self._wait_for(unit)
         if unit.needs_gather:
             self.gather_together(self._with_followers(unit, order))
-        if not (self.overlap and self.windows and unit in order):
-            return
+        if self.overlap and self.windows and unit in order:
+            self._prefetch_after(unit, order)
+
+    def _prefetch_after(self, unit: UnitRuntime, order: Sequence[UnitRuntime]) -> None:
+        """Start gathering the window of the unit after ``unit`` in ``order`` (a unit larger
+        than ``prefetch_bytes`` alone), unless it is gathered or on its way already."""
         position = order.index(unit) + 1
         if position == len(order):
             return
         following = order[position]
-        if (
-            following not in self._in_flight
-            and following.needs_gather
-            and following.unsharded_bytes <= self.prefetch_bytes
-        ):
-            window = self._with_followers(following, order)
-            pendings = self.gather_together(window, async_op=True)
-            for member in window:
-                self._in_flight[member] = pendings
+        if following in self._in_flight or not following.needs_gather:
+            return
+        window = self._with_followers(following, order)
+        pendings = self.gather_together(window, async_op=True)
+        for member in window:
+            self._in_flight[member] = pendings
+        self._note_peak()
 
     def _wait_for(self, unit: UnitRuntime) -> None:
         for pending in self._in_flight.pop(unit, ()):
@@ -133,8 +142,11 @@ class GatherSchedule:
                 pendings.append(storages[0].unshard(async_op))
             else:
                 pendings.append(unshard_storages(storages, async_op))
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
+        self._note_peak()
         return pendings
+
+    def _note_peak(self) -> None:
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
 
 
 def unshard_storages(storages: list[FlatStorage], async_op: bool = False) -> comm.Pending:

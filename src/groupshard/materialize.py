@@ -11,6 +11,14 @@ with neither is an error: its memory would be uninitialized). The random stream 
 seeded per module, from ``torch.initial_seed()`` (what ``torch.manual_seed`` set) and
 the module's name: the model does not depend on the world size, the units chosen, or
 the order modules are initialized in.
+
+With ``sync_module_states`` (the default) every rank starts from rank 0's initial seed
+(``agreed_seed``), so a deterministic initialization gives every rank the same unit
+already: instead of broadcasting it from rank 0, the ranks compare a checksum of its
+bits (``same_on_every_rank``: one all-reduce of four numbers per unit), and only a unit
+whose checksums differ (an initialization drawing from another random source, or
+reading the rank) is broadcast from rank 0, as ``sync_module_states`` promises: every
+rank ends with rank 0's values.
 """
 
 from __future__ import annotations
@@ -19,12 +27,13 @@ import ctypes
 import ctypes.util
 import sys
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from groupshard import comm
 from groupshard.layout import StorageLayout
 from groupshard.units import UnitPlan, enclosing_unit
 
@@ -87,6 +96,57 @@ def check_initializable(model: nn.Module, param_init_fn: ParamInitFn | None) -> 
 def module_seed(base_seed: int, module_name: str) -> int:
     """The seed of one module's initialization: the same on every rank and world size."""
     return (base_seed + zlib.crc32(module_name.encode())) % 2**63
+
+
+def agreed_seed(seed: int, ranks: comm.Ranks, device: torch.device) -> int:
+    """Rank 0's ``seed`` on every rank (one broadcast), reduced modulo 2**63 as
+    ``module_seed`` does, so the per-module seeds are rank 0's."""
+    value = torch.tensor([seed % 2**63], dtype=torch.int64, device=device)
+    comm.broadcast(value, ranks)
+    return int(value.item())
+
+
+CHECKSUM_CHUNKS = 64
+
+
+def checksum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Two int64 numbers summing up the tensors' bits: their bytes read as 64-bit words and
+    added (wrapping), plain and weighted by the word's place among 64 equal chunks.
+
+    Integer sums are exact whatever the reduction order, and one pass over the memory
+    costs far less than initializing it (a float sum would round differently with the
+    thread count). Any single changed word changes the plain sum; it is a checksum to
+    catch ranks that initialized differently, not a cryptographic hash.
+    """
+    device = tensors[0].device if tensors else None
+    total = torch.zeros(2, dtype=torch.int64, device=device)
+    weights = torch.arange(1, CHECKSUM_CHUNKS + 1, dtype=torch.int64, device=device)
+    for tensor in tensors:
+        raw = tensor.detach().reshape(-1).view(torch.uint8)
+        if raw.storage_offset() % 8:
+            raw = raw.clone()  # 64-bit words need 8-byte alignment
+        whole = raw.numel() // 8 * 8
+        words = raw[:whole].view(torch.int64)
+        chunked = words.numel() // CHECKSUM_CHUNKS * CHECKSUM_CHUNKS
+        chunks = words[:chunked].view(CHECKSUM_CHUNKS, chunked // CHECKSUM_CHUNKS).sum(1)
+        rest = words[chunked:].sum() + raw[whole:].to(torch.int64).sum()
+        total[0] += chunks.sum() + rest
+        total[1] += (chunks * weights).sum() + rest * (CHECKSUM_CHUNKS + 1)
+    return total
+
+
+def same_on_every_rank(tensors: Sequence[torch.Tensor], ranks: comm.Ranks) -> bool:
+    """Whether every rank's ``tensors`` have the same ``checksum`` (one all-reduce; the
+    same answer on every rank). Nothing to compare (a unit owning no parameters and no
+    buffers, the same on every rank) needs no collective."""
+    if ranks.size == 1 or not tensors:
+        return True
+    mine = checksum(tensors)
+    # the largest checksum, and the largest of their bitwise complements (~x = -x - 1,
+    # which reverses the order without overflow): the smallest
+    extremes = torch.cat([mine, torch.bitwise_not(mine)])
+    comm.all_reduce_max(extremes, ranks)
+    return torch.equal(extremes[:2], torch.bitwise_not(extremes[2:]))
 
 
 def _modules_of_unit(

@@ -21,6 +21,7 @@ from functools import cached_property
 from typing import Any
 
 import torch
+import torch.distributed.nn.functional  # before init_process_group: groupshard/__init__.py
 from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
