@@ -257,7 +257,7 @@ def _write_back(state: ShardingState, masters: list[torch.Tensor]) -> None:
             storage.write_back(unsharded_of[id(storage)])
 
 
-def _plan_storages(
+def plan_storages(
     groups: ResolvedGroups, plan: UnitPlan, params: Mapping[str, nn.Parameter], world_size: int
 ) -> dict[str, list[StorageLayout]]:
     """Storage layouts per unit: one per dtype, a flat buffer per (group, dtype)."""
@@ -288,7 +288,12 @@ def _plan_storages(
     return storages
 
 
-def _check_same_structure(signature: Any, ranks: comm.Ranks) -> None:
+def check_same_structure(
+    signature: Any,
+    ranks: comm.Ranks,
+    doing: str = "shard the model",
+    remedy: str = "the same param groups, unit, strategy and options of gs.shard",
+) -> None:
     """Fail on every rank, naming the first difference, if ranks sharded differently."""
     signatures = comm.gather_objects(signature, ranks)
     for rank, other in enumerate(signatures):
@@ -298,13 +303,13 @@ def _check_same_structure(signature: Any, ranks: comm.Ranks) -> None:
         for key in [*ours, *(k for k in theirs if k not in ours)]:
             if ours.get(key) != theirs.get(key):
                 raise ValueError(
-                    f"Ranks disagree on how to shard the model: {key} on rank 0 is "
+                    f"Ranks disagree on how to {doing}: {key} on rank 0 is "
                     f"{ours[key]!r} but on rank {rank} is {theirs[key]!r}. Every rank must "
-                    "pass the same param groups, unit, strategy and options of gs.shard."
+                    f"pass {remedy}."
                 )
 
 
-def _signature(
+def structure_signature(
     groups: ResolvedGroups,
     storages: dict[str, list[StorageLayout]],
     model: nn.Module,
@@ -403,7 +408,7 @@ def shard(
         params = dict(model.named_parameters())
         meta = bool(meta_parameters(params))
         world_size = 1 if strategy == "no_shard" else ranks.size
-        layouts = _plan_storages(groups, plan, params, world_size)
+        layouts = plan_storages(groups, plan, params, world_size)
         modules = dict(model.named_modules())
         policies = {name: unit_policy(mixed_precision, name, modules[name]) for name in plan.names}
         if not meta and (param_init_fn is not None or device is not None):
@@ -422,7 +427,7 @@ def shard(
         "mixed_precision": {name: repr(policy) for name, policy in policies.items() if policy},
         "built on the meta device": target is not None,
     }
-    _check_same_structure(_signature(groups, layouts, model, signature), ranks)
+    check_same_structure(structure_signature(groups, layouts, model, signature), ranks)
     materialize = (
         functools.partial(
             materialize_unit,

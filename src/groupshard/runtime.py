@@ -83,6 +83,19 @@ class ShardedRuntime:
                         )
                     )
 
+    def replace_storage(self, unit: UnitRuntime, index: int, storage: FlatStorage) -> None:
+        """Make ``storage`` the unit's storage ``index`` (``gs.regroup``, between steps): its
+        gradient hook, and bucket sizes learnt afresh from the next backward."""
+        unit.replace_storage(index, storage)
+        self.__dict__.pop("_storage_names", None)
+        self.buckets = GradientBuckets(self.options)
+        if storage.layout.trainable_buffers:
+            self._handles.append(
+                storage.unsharded_trainable.register_post_accumulate_grad_hook(
+                    self._gradient_ready_hook(storage)
+                )
+            )
+
     def reshard(self) -> None:
         """Free every gathered unit now (FSDP2's ``reshard``)."""
         self.gathers.wait_all()

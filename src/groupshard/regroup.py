@@ -1,0 +1,295 @@
+"""``gs.regroup``: change a sharded model's param groups between steps (unfreeze, move,
+freeze), keeping each parameter's optimizer state (FairScale's "reflattening").
+
+Plan first, change second. The plan resolves the new groups by FQN, lays out each unit
+anew (``api.plan_storages``) and finds, for every new flat buffer, where its parameters'
+optimizer state comes from; it changes nothing, and any failure is raised on every rank
+(then one agreement that the ranks planned the same). The execution rebuilds only the
+storages whose layout changed, one at a time: gather its parameters and per-parameter
+state (one unit's worth, never the whole model), lay them out in the new flat buffers,
+put the new storage in the old one's place, and rewrite ``optimizer.param_groups`` and
+``optimizer.state`` in place on the same optimizer object.
+
+Note: state
+    A parameter that stays trainable keeps its per-element state (``exp_avg``...) and
+    its scalar state (``step``). A flat buffer keeps one scalar per key for all its
+    parameters, so parameters whose ``step`` differs, or a newly trainable parameter
+    (no state, as after torch's ``add_param_group``) and one with state, cannot share a
+    new flat buffer: a ValueError names them (put them in groups of their own).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from groupshard import comm, flatten
+from groupshard.api import check_same_structure, plan_storages, structure_signature
+from groupshard.full_state import check_optimizer
+from groupshard.groups import ParamGroups, ResolvedGroup, ResolvedGroups, list_group_members
+from groupshard.layout import FlatBufferLayout, StorageLayout
+from groupshard.runtime import TrainingState
+from groupshard.sharding import ShardingState, register_shards, shard_attr_name, sharding_state
+from groupshard.storage import FlatStorage
+from groupshard.unit_runtime import UnitRuntime
+
+
+@dataclass(frozen=True)
+class _Rebuild:
+    """One storage whose layout changes: ``unit.storages[index]`` becomes ``layout``."""
+
+    unit: UnitRuntime
+    index: int
+    layout: StorageLayout
+
+
+def regroup(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    param_groups: ParamGroups,
+    *,
+    default_group: Mapping[str, Any] | None = None,
+) -> None:
+    """Give a sharded model and its optimizer new param groups, between steps.
+
+    Args:
+        model: a model returned by ``gs.shard``.
+        optimizer: its optimizer, built from ``model.optimizer_groups()`` (a
+            ``torch.optim`` optimizer or a ``gs.optim`` one); changed in place.
+        param_groups: ``gs.shard``'s format: dicts with "params" holding the user's own
+            parameters (``model.get_parameter(name)``) plus hyperparameters. A listed
+            parameter is trainable (a frozen one is unfrozen, with no optimizer state, as
+            after torch's ``add_param_group``); one left out of every group is frozen
+            (``requires_grad=False``, state dropped), unless ``default_group`` is given.
+        default_group: hyperparameters of an extra last group collecting the parameters
+            that are trainable now and that no group lists.
+
+    Every rank must pass the same groups (a ValueError on every rank otherwise). Call it
+    between steps, after ``optimizer.zero_grad()``. Only the units whose layout changes
+    are re-laid out; each parameter that stays trainable keeps its optimizer state and
+    takes its new group's hyperparameters. docs/regroup.md has the details, and what it
+    means for LR schedulers.
+    """
+    state = sharding_state(model, "gs.regroup")
+    error: BaseException | None = None
+    try:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"gs.regroup expects the model's torch.optim.Optimizer, got "
+                f"{type(optimizer).__name__}"
+            )
+        check_optimizer(model, optimizer)
+        _check_between_steps(state)
+        groups = _resolve(state, param_groups, default_group)
+        layouts = _plan_layouts(state, groups)
+        rebuilds = [
+            _Rebuild(unit, index, layouts[unit.name][storage.layout.dtype])
+            for unit in state.runtime.units
+            for index, storage in enumerate(unit.storages)
+            if layouts[unit.name][storage.layout.dtype] != storage.layout
+        ]
+        for rebuild in rebuilds:
+            _check_state_carries(rebuild, optimizer)
+    except Exception as caught:  # every rank must hear of any failure
+        error = caught
+    comm.raise_if_any_failed(error, state.ranks)
+    signature = structure_signature(
+        groups,
+        {name: list(by_dtype.values()) for name, by_dtype in layouts.items()},
+        model,
+        {"sync_module_states": False, "default_group": repr(default_group)},
+    )
+    check_same_structure(
+        signature, state.ranks, "regroup the model", "the same param groups to gs.regroup"
+    )
+    state.runtime.reshard()
+    for rebuild in rebuilds:
+        _rebuild_storage(state, optimizer, rebuild)
+    trainable = {fqn for group in groups.groups for fqn in group.fqns}
+    for fqn, original in state.original_params.items():
+        original.requires_grad_(fqn in trainable)
+    state.groups = groups
+    _rewrite_param_groups(state, optimizer)
+
+
+def _check_between_steps(state: ShardingState) -> None:
+    """Refuse a regroup inside a forward or backward, or with gradients it would drop."""
+    if state.runtime.state is not TrainingState.IDLE or state.originals_registered:
+        raise ValueError(
+            f"gs.regroup during {state.runtime.state.name.lower()} (or inside "
+            "summon_full_params): call it between optimizer steps."
+        )
+    with_grad = [
+        storage.layout.unit_name or "<root>"
+        for storage in state.storages
+        if storage.gradients.accumulated is not None
+        or any(shard.grad is not None for shard in storage.trainable_shards)
+    ]
+    if with_grad:
+        raise ValueError(
+            f"gs.regroup with gradients in units {sorted(set(with_grad))}, which re-laying out "
+            "the flat buffers would drop: call it after optimizer.step() and "
+            "optimizer.zero_grad() (set_to_none=True), before the next backward."
+        )
+
+
+def _resolve(
+    state: ShardingState, param_groups: ParamGroups, default_group: Mapping[str, Any] | None
+) -> ResolvedGroups:
+    """The new groups by FQN: every listed parameter trainable, the rest frozen (or in
+    ``default_group`` if trainable now)."""
+    originals = state.original_params
+    members = list_group_members(originals, param_groups)
+    groups = [
+        ResolvedGroup(index, tuple(fqns), options, tuple(fqns))
+        for index, (fqns, options) in enumerate(members)
+    ]
+    listed = {fqn for fqns, _ in members for fqn in fqns}
+    if default_group is not None:
+        trainable_now = state.groups.group_of()
+        rest = tuple(fqn for fqn in originals if fqn in trainable_now and fqn not in listed)
+        if rest:
+            groups.append(ResolvedGroup(len(groups), rest, dict(default_group), rest))
+    trainable = {fqn for group in groups for fqn in group.fqns}
+    frozen = tuple(fqn for fqn in originals if fqn not in trainable)
+    return ResolvedGroups(tuple(groups), frozen)
+
+
+def _plan_layouts(
+    state: ShardingState, groups: ResolvedGroups
+) -> dict[str, dict[torch.dtype, StorageLayout]]:
+    """Each unit's storage layouts under ``groups``, by dtype (the same units and world
+    size; shapes from the current layouts, as the user's parameters hold pieces)."""
+    stand_ins: dict[str, torch.Tensor] = {}
+    world_size = 1
+    for storage in state.storages:
+        world_size = storage.layout.world_size
+        for buffer in storage.layout.buffers:
+            for slot in buffer.params:
+                stand_ins[slot.fqn] = torch.empty(
+                    slot.shape, dtype=storage.layout.dtype, device="meta"
+                )
+    planned = plan_storages(groups, state.plan, stand_ins, world_size)
+    return {name: {layout.dtype: layout for layout in layouts} for name, layouts in planned.items()}
+
+
+def _old_buffers(
+    storage: FlatStorage, optimizer: torch.optim.Optimizer
+) -> dict[str, tuple[torch.Tensor, FlatBufferLayout, dict[str, Any]]]:
+    """Per trainable FQN of ``storage``: its shard, that shard's buffer and state."""
+    found = {}
+    for shard, buffer in zip(storage.shards, storage.layout.buffers, strict=True):
+        if buffer.group_index < 0:
+            continue
+        shard_state = optimizer.state.get(shard, {})
+        for slot in buffer.params:
+            found[slot.fqn] = (shard, buffer, shard_state)
+    return found
+
+
+def _check_state_carries(rebuild: _Rebuild, optimizer: torch.optim.Optimizer) -> None:
+    """Fail if a new flat buffer would need several values of one scalar state, or state
+    for some parameters and none for others (see the module's note)."""
+    old = _old_buffers(rebuild.unit.storages[rebuild.index], optimizer)
+    for buffer in rebuild.layout.trainable_buffers:
+        fqns = [slot.fqn for slot in buffer.params]
+        states = [old[fqn][2] if fqn in old else {} for fqn in fqns]
+        where = f"param group {buffer.group_index} of unit {rebuild.layout.unit_name or '<root>'!r}"
+        without = [fqn for fqn, s in zip(fqns, states, strict=True) if not s]
+        if without and len(without) < len(fqns):
+            raise ValueError(
+                f"Parameters {without} have no optimizer state (newly trainable, or never "
+                f"stepped) but would share the flat buffer of {where} with parameters that have "
+                f"state ({[f for f in fqns if f not in without][:3]}...); a flat buffer keeps "
+                "one 'step' for all its parameters. Put them in a param group of their own."
+            )
+        if not states or not states[0]:
+            continue
+        keys = {tuple(sorted(s)) for s in states}
+        if len(keys) > 1:
+            raise ValueError(
+                f"The parameters of {where} come with different optimizer state keys {keys}; "
+                "put parameters from groups with different optimizer options apart."
+            )
+        for key in sorted(states[0]):
+            shard = old[fqns[0]][0]
+            values = {
+                _scalar_text(s[key]) for s in states if not flatten.is_per_element(s[key], shard)
+            }
+            if len(values) > 1:
+                raise ValueError(
+                    f"The parameters of {where} come with different values of optimizer state "
+                    f"{key!r} ({sorted(values)}); a flat buffer keeps one {key!r} for all its "
+                    "parameters. Put the parameters that differ in a param group of their own."
+                )
+
+
+def _scalar_text(value: Any) -> str:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return repr(float(value.item()))
+    return repr(value)
+
+
+@torch.no_grad()
+def _rebuild_storage(
+    state: ShardingState, optimizer: torch.optim.Optimizer, rebuild: _Rebuild
+) -> None:
+    """Re-lay out one storage: gather its parameters and per-parameter state (collective),
+    build the new storage from them, and move the optimizer state to the new shards."""
+    unit, old = rebuild.unit, rebuild.unit.storages[rebuild.index]
+    staying = {slot.fqn for b in rebuild.layout.trainable_buffers for slot in b.params}
+    per_fqn: dict[str, dict[str, Any]] = {}
+    for shard, buffer in zip(old.shards, old.layout.buffers, strict=True):
+        shard_state = optimizer.state.pop(shard, None)
+        if buffer.group_index < 0 or not shard_state:
+            continue
+        if not any(slot.fqn in staying for slot in buffer.params):
+            continue  # every parameter leaves the trainable groups: its state is dropped
+        entries = flatten.gather_shard_state(shard_state, shard, buffer, old.ranks, old.replicated)
+        per_fqn.update(
+            (slot.fqn, entry)
+            for slot, entry in zip(buffer.params, entries, strict=True)
+            if slot.fqn in staying
+        )
+    originals = state.original_params
+    for fqn, full in old.gather_params().items():
+        originals[fqn].data = full  # what the new storage copies its slices from
+    new = FlatStorage(
+        rebuild.layout,
+        old.ranks,
+        originals,
+        sync_from_rank0=False,
+        compute_dtype=old.compute_dtype,
+        reduce_dtype=old.reduce_dtype,
+    )
+    for shard, buffer in zip(new.shards, rebuild.layout.buffers, strict=True):
+        entries = [per_fqn.get(slot.fqn) for slot in buffer.params]
+        if buffer.group_index >= 0 and entries and all(entries):
+            optimizer.state[shard] = flatten.shard_state_from(
+                entries,  # type: ignore[arg-type]
+                shard,
+                buffer,
+                new.shard_rank,
+            )
+    for buffer in old.layout.buffers:
+        del unit.module._parameters[shard_attr_name(buffer.group_index, old.layout.dtype)]
+    register_shards(unit.module, new)
+    state.runtime.replace_storage(unit, rebuild.index, new)
+    unit.install_local_pieces()  # the user's parameters hold this rank's pieces again
+
+
+def _rewrite_param_groups(state: ShardingState, optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer.param_groups`` over the new shards, in place, through the optimizer's
+    own ``add_param_group`` (its defaults for keys a group does not set; Muon re-plans its
+    owners from the new groups)."""
+    param_groups = optimizer.param_groups
+    param_groups.clear()
+    for group in state.groups.groups:
+        optimizer.add_param_group({"params": state.shards_of_group(group.index), **group.options})
+    shards = {id(shard) for storage in state.storages for shard in storage.shards}
+    for stale in [p for p in optimizer.state if id(p) not in shards]:
+        del optimizer.state[stale]
