@@ -5,6 +5,7 @@ errors on every rank; checkpoints across a regroup."""
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -136,3 +137,129 @@ def _all_regroup_cases(rank: int, world_size: int) -> dict[str, float]:
         for strategy in ("full", "grad_op", "no_shard")
         for optimizer in OPTIMIZERS
     }
+
+
+def _train(sharded: nn.Module, opt: torch.optim.Optimizer, batches: list, rank: int) -> None:
+    local = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
+    for inputs, targets in batches:
+        sharded(inputs[local], targets[local]).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _sharded_at(phase: int, names: list[str]) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A model sharded with phase ``phase``'s groups (its frozen parameters frozen then)."""
+    model = _model()
+    groups = _phase_groups(names, phase)
+    trainable = {n for group_names, _ in groups for n in group_names}
+    for name, param in model.named_parameters():
+        param.requires_grad_(name in trainable)
+    sharded = gs.shard(model, _as_dicts(groups, model), unit=Block, strategy="full")
+    return sharded, torch.optim.AdamW(sharded.optimizer_groups(), lr=3e-3)
+
+
+def _checkpoint_case(rank: int, world_size: int, folder: str) -> list[float]:
+    names = [n for n, _ in _model().named_parameters()]
+    batches = global_batches(6, world_size)
+    first, second = os.path.join(folder, "before"), os.path.join(folder, "after")
+    trained, opt = _sharded_at(0, names)
+    _train(trained, opt, batches[:2], rank)
+    gs.checkpoint.save(first, trained, opt)
+    gs.regroup(trained, opt, _as_dicts(_phase_groups(names, 1), trained))
+    _train(trained, opt, batches[2:4], rank)
+    gs.checkpoint.save(second, trained, opt)
+    _train(trained, opt, batches[4:], rank)
+    expected = gs.full_state_dict(trained)
+    # saved before the regroup, loaded into a model regrouped the same way
+    before, before_opt = _sharded_at(0, names)
+    gs.checkpoint.load(first, before, before_opt)
+    gs.regroup(before, before_opt, _as_dicts(_phase_groups(names, 1), before))
+    _train(before, before_opt, batches[2:], rank)
+    # saved after the regroup, loaded into a model sharded with the new groups
+    after, after_opt = _sharded_at(1, names)
+    gs.checkpoint.load(second, after, after_opt)
+    _train(after, after_opt, batches[4:], rank)
+    return [max_difference(gs.full_state_dict(model), expected) for model in (before, after)]
+
+
+def test_checkpoint_across_regroup(run_ranks, tmp_path) -> None:
+    """A checkpoint saved before a regroup loads into a model regrouped the same way, one
+    saved after it into a model sharded with the new groups: the same training, bit for
+    bit (the same layouts, the same arithmetic)."""
+    assert run_ranks(2, _checkpoint_case, str(tmp_path), timeout=120)[0] == [0.0, 0.0]
+
+
+def _expect_error(fn: Callable[[], Any], *needles: str) -> str:
+    try:
+        fn()
+    except (ValueError, TypeError) as error:
+        message = str(error)
+        assert all(needle in message for needle in needles), message
+        return message
+    raise AssertionError(f"expected an error naming {needles}")
+
+
+def _error_cases(rank: int, world_size: int) -> dict[str, str]:
+    names = [n for n, _ in _model().named_parameters()]
+    batches = global_batches(2, world_size)
+    sharded, opt = _sharded_at(0, names)
+    _train(sharded, opt, batches[:1], rank)
+    seen = {}
+    # ranks passing different groups: a ValueError on every rank, nothing changed
+    groups = _phase_groups(names, 1)
+    if rank == 1:
+        groups[2] = (groups[2][0], {**NEW_BLOCK, "lr": 1.0})
+    seen["hyperparameters differ"] = _expect_error(
+        lambda: gs.regroup(sharded, opt, _as_dicts(groups, sharded)), "gs.regroup", "rank 1"
+    )
+    groups = _phase_groups(names, 1 if rank == 0 else 3)
+    seen["members differ"] = _expect_error(
+        lambda: gs.regroup(sharded, opt, _as_dicts(groups, sharded)), "gs.regroup", "rank 1"
+    )
+    # a parameter frozen by a regroup, then unfrozen into a flat buffer whose parameters
+    # have state (its step would not be theirs): refused, naming it
+    refrozen = "blocks.0.fc.weight"
+    without = [([n for n in g if n != refrozen], o) for g, o in _phase_groups(names, 0)]
+    gs.regroup(sharded, opt, _as_dicts(without, sharded))
+    assert not sharded.get_parameter(refrozen).requires_grad
+    _train(sharded, opt, batches[:1], rank)
+    seen["state mixed"] = _expect_error(
+        lambda: gs.regroup(sharded, opt, _as_dicts(_phase_groups(names, 0), sharded)),
+        refrozen,
+        "of their own",
+    )
+    # torch's idiom: requires_grad_(True) on a parameter frozen at shard time ...
+    inputs, targets = batches[1]
+    local = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
+    block = [n for n in names if n.startswith("blocks.1.")]
+    frozen = sharded.get_parameter(block[0])
+    frozen.requires_grad_(True)
+    seen["requires_grad_"] = _expect_error(
+        lambda: sharded(inputs[local], targets[local]), block[0], "gs.regroup"
+    )
+    frozen.requires_grad_(False)
+    # ... and add_param_group with the user's parameter
+    opt.add_param_group({"params": [frozen]})
+    sharded(inputs[local], targets[local]).backward()
+    seen["add_param_group"] = _expect_error(opt.step, block[0], "gs.regroup")
+    del opt.param_groups[-1]
+    # gradients would be dropped
+    seen["gradients"] = _expect_error(
+        lambda: gs.regroup(sharded, opt, _as_dicts(_phase_groups(names, 1), sharded)),
+        "zero_grad",
+    )
+    opt.zero_grad()
+    # after every refusal the model still regroups and trains on every rank; the
+    # parameter refused above goes in a group of its own
+    groups = [([n for n in g if n != refrozen], o) for g, o in _phase_groups(names, 1)]
+    gs.regroup(sharded, opt, _as_dicts([*groups, ([refrozen], {})], sharded))
+    _train(sharded, opt, batches, rank)
+    return seen
+
+
+def test_regroup_errors_on_every_rank(run_ranks) -> None:
+    """Different groups per rank, state that cannot share a flat buffer, gradients that
+    would be dropped, and torch's idiom on a sharded model: a clear error on every rank
+    (naming gs.regroup where torch's idiom is refused), no hang, nothing half changed."""
+    results = run_ranks(2, _error_cases, timeout=120)
+    assert results[0].keys() == results[1].keys()
