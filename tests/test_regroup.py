@@ -263,3 +263,76 @@ def test_regroup_errors_on_every_rank(run_ranks) -> None:
     (naming gs.regroup where torch's idiom is refused), no hang, nothing half changed."""
     results = run_ranks(2, _error_cases, timeout=120)
     assert results[0].keys() == results[1].keys()
+
+
+def _muon_groups(names: list[str], model: nn.Module, with_block: bool) -> list[dict]:
+    """Blocks' matrices in a Muon group, the rest in an AdamW group; ``with_block``:
+    blocks.1 in a Muon group and an AdamW group of its own, other learning rates."""
+
+    def is_matrix(name: str) -> bool:
+        return name.startswith("blocks.") and not _is_vector(name)
+
+    block = [n for n in names if n.startswith("blocks.1.")] if with_block else []
+    trained = [n for n in names if not n.startswith("blocks.1.")]
+    groups = [
+        ([n for n in trained if is_matrix(n)], {}),
+        ([n for n in trained if not is_matrix(n)], {"use_muon": False}),
+        ([n for n in block if is_matrix(n)], {"lr": 0.01}),
+        ([n for n in block if not is_matrix(n)], {"use_muon": False, "lr": 2e-3}),
+    ]
+    return _as_dicts(groups[: 4 if with_block else 2], model)
+
+
+def _per_rank_mean_backward(
+    model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, world_size: int
+) -> None:
+    """The gradient the ranks reduce: the mean of each rank's batch's, summed in rank
+    order (Newton-Schulz in bfloat16 would amplify a whole-batch backward's last bits;
+    tests/test_muon.py explains)."""
+    grads: dict[str, torch.Tensor] = {}
+    for rank in range(world_size):
+        local = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
+        model(inputs[local], targets[local]).backward()
+        for name, param in model.named_parameters():
+            if param.grad is not None:
+                grads[name] = grads[name] + param.grad if name in grads else param.grad
+            param.grad = None
+    for name, param in model.named_parameters():
+        param.grad = grads[name] / world_size if name in grads else None
+
+
+def _muon_case(rank: int, world_size: int) -> tuple[float, list[str], list[str]]:
+    """gs.optim.Muon: blocks.1 unfrozen after 2 steps into a Muon group (its matrices)
+    and an AdamW group (its vectors), as one process does with add_param_group; Muon
+    re-plans its owners over the new groups."""
+    model = _model()
+    reference = copy.deepcopy(model)
+    names = [n for n, _ in reference.named_parameters()]
+    sharded = gs.shard(model, _muon_groups(names, model, False), unit=Block, strategy="full")
+    opt = gs.optim.Muon(sharded.optimizer_groups(), lr=0.02)
+    reference_opt = gs.optim.Muon(_muon_groups(names, reference, False), lr=0.02)
+    owners_before = sorted(opt.ownership()[0].owners)
+    local = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
+    for step, (inputs, targets) in enumerate(global_batches(4, world_size)):
+        if step == 2:
+            gs.regroup(sharded, opt, _muon_groups(names, sharded, True))
+            for param in reference.blocks[1].parameters():
+                param.requires_grad_(True)
+            for group in _muon_groups(names, reference, True)[2:]:
+                reference_opt.add_param_group(group)
+        sharded(inputs[local], targets[local]).backward()
+        _per_rank_mean_backward(reference, inputs, targets, world_size)
+        for o in (opt, reference_opt):
+            o.step()
+            o.zero_grad()
+    difference = max_difference(gs.full_state_dict(sharded), reference.state_dict())
+    return difference, owners_before, sorted(opt.ownership()[0].owners)
+
+
+def test_regroup_muon_replans_owners(run_ranks) -> None:
+    results = run_ranks(2, _muon_case, timeout=120)
+    difference, before, after = results[0]
+    assert difference < 1e-5
+    assert not any(n.startswith("blocks.1.") for n in before)
+    assert sorted(set(after) - set(before)) == ["blocks.1.attn.proj.weight",
+        "blocks.1.attn.qkv.weight", "blocks.1.fc.weight", "blocks.1.out.weight"]  # fmt: skip
