@@ -121,8 +121,10 @@ def plot(out: Path, rows: list[dict[str, Any]], summary: dict[str, Any] | None =
         lr_axis.plot([r["step"] for r in having], [r[key] for r in having], color=f"C{index}",
                      linestyle=("-", "--", ":", "-.")[index % 4], label=group)  # fmt: skip
         if having and having[0]["step"] > steps[0]:  # the group appeared at this step
-            for axis in (norm_axis, lr_axis):
-                axis.axvline(having[0]["step"], color=f"C{index}", linestyle=":", linewidth=1)
+            first = having[0]["step"]
+            norm_axis.axvline(first, color=f"C{index}", linestyle=":", linewidth=1)
+            lr_axis.axvline(first, color=f"C{index}", linestyle=":", linewidth=1,
+                            label=f"{group} added at step {first} (gs.regroup)")  # fmt: skip
     lr_axis.set(xlabel="step", ylabel="learning rate", title="learning rate per param group")
     lr_axis.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
     lr_axis.legend(fontsize="small")
