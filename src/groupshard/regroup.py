@@ -242,19 +242,7 @@ def _rebuild_storage(
     build the new storage from them, and move the optimizer state to the new shards."""
     unit, old = rebuild.unit, rebuild.unit.storages[rebuild.index]
     staying = {slot.fqn for b in rebuild.layout.trainable_buffers for slot in b.params}
-    per_fqn: dict[str, dict[str, Any]] = {}
-    for shard, buffer in zip(old.shards, old.layout.buffers, strict=True):
-        shard_state = optimizer.state.pop(shard, None)
-        if buffer.group_index < 0 or not shard_state:
-            continue
-        if not any(slot.fqn in staying for slot in buffer.params):
-            continue  # every parameter leaves the trainable groups: its state is dropped
-        entries = flatten.gather_shard_state(shard_state, shard, buffer, old.ranks, old.replicated)
-        per_fqn.update(
-            (slot.fqn, entry)
-            for slot, entry in zip(buffer.params, entries, strict=True)
-            if slot.fqn in staying
-        )
+    per_fqn, per_element = _gather_state(old, optimizer, staying)
     originals = state.original_params
     for fqn, full in old.gather_params().items():
         originals[fqn].data = full  # what the new storage copies its slices from
@@ -267,19 +255,72 @@ def _rebuild_storage(
         reduce_dtype=old.reduce_dtype,
     )
     for shard, buffer in zip(new.shards, rebuild.layout.buffers, strict=True):
-        entries = [per_fqn.get(slot.fqn) for slot in buffer.params]
+        entries = [per_fqn.pop(slot.fqn, None) for slot in buffer.params]
         if buffer.group_index >= 0 and entries and all(entries):
-            optimizer.state[shard] = flatten.shard_state_from(
-                entries,  # type: ignore[arg-type]
-                shard,
-                buffer,
-                new.shard_rank,
+            optimizer.state[shard] = _local_state(
+                entries, per_element, shard, buffer, new.shard_rank
             )
+    stale = {id(shard) for shard in old.shards}
+    for group in optimizer.param_groups:  # the old shards would keep the old storage alive
+        group["params"] = [p for p in group["params"] if id(p) not in stale]
     for buffer in old.layout.buffers:
         del unit.module._parameters[shard_attr_name(buffer.group_index, old.layout.dtype)]
     register_shards(unit.module, new)
     state.runtime.replace_storage(unit, rebuild.index, new)
     unit.install_local_pieces()  # the user's parameters hold this rank's pieces again
+
+
+def _gather_state(
+    old: FlatStorage, optimizer: torch.optim.Optimizer, staying: set[str]
+) -> tuple[dict[str, dict[str, Any]], set[str]]:
+    """The optimizer state of ``old``'s shards (removed from the optimizer) per parameter
+    in ``staying``, and the keys laid out like the parameters: per-element state as views
+    of one unsharded tensor per key (one all-gather each, no copies), scalar state as it
+    is. State of parameters that leave the trainable groups is dropped without a gather."""
+    per_fqn: dict[str, dict[str, Any]] = {}
+    per_element: set[str] = set()
+    for shard, buffer in zip(old.shards, old.layout.buffers, strict=True):
+        shard_state = optimizer.state.pop(shard, None)
+        if buffer.group_index < 0 or not shard_state:
+            continue
+        if not any(slot.fqn in staying for slot in buffer.params):
+            continue
+        for key, value in sorted(shard_state.items()):
+            if flatten.is_per_element(value, shard):
+                per_element.add(key)
+                full = value if old.replicated else flatten.unshard(value, buffer, old.ranks, False)
+                pieces: list[Any] = flatten.split(full.detach().view(-1), buffer)
+            else:
+                pieces = [value] * len(buffer.params)
+            for slot, piece in zip(buffer.params, pieces, strict=True):
+                if slot.fqn in staying:
+                    per_fqn.setdefault(slot.fqn, {})[key] = piece
+    return per_fqn, per_element
+
+
+def _local_state(
+    entries: list[dict[str, Any]],
+    per_element: set[str],
+    shard: torch.Tensor,
+    buffer: FlatBufferLayout,
+    rank: int,
+) -> dict[str, Any]:
+    """A new shard's state: per-element state copied segment by segment from each
+    parameter's (no unsharded temporary), scalar state from the first parameter (the
+    plan checked that they agree)."""
+    state: dict[str, Any] = {}
+    for key, first in entries[0].items():
+        if key not in per_element:
+            state[key] = first.clone() if isinstance(first, torch.Tensor) else first
+            continue
+        local = torch.zeros(shard.shape, dtype=first.dtype, device=shard.device)
+        for segment in buffer.segments(rank):
+            source = entries[segment.param_index][key].reshape(-1)
+            local[segment.shard_offset : segment.shard_offset + segment.numel].copy_(
+                source[segment.param_offset : segment.param_offset + segment.numel]
+            )
+        state[key] = local
+    return state
 
 
 def _rewrite_param_groups(state: ShardingState, optimizer: torch.optim.Optimizer) -> None:

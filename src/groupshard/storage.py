@@ -329,9 +329,7 @@ class FlatStorage:
         for shard, buffer in zip(self.shards, self.layout.buffers, strict=True):
             full = flatten.unshard(shard, buffer, self.ranks, self.replicated)
             params.update(
-                zip(
-                    (slot.fqn for slot in buffer.params), flatten.split(full, buffer), strict=True
-                )
+                zip((slot.fqn for slot in buffer.params), flatten.split(full, buffer), strict=True)
             )
         return params
 
@@ -363,4 +361,3 @@ class FlatStorage:
         ):
             start, end = buffer.shard_range(self.shard_rank)
             self.local[slice(*self.layout.local_range(index))].copy_(data[start:end])
-
