@@ -41,14 +41,20 @@ def _names(model: nn.Module, prefix: str) -> list[str]:
     return [n for n, _ in model.named_parameters() if n.startswith(prefix)]
 
 
-def _phase_groups(names: list[str], phase: int) -> list[tuple[list[str], dict[str, Any]]]:
+def _moves_every_bias(name: str) -> bool:
+    return True
+
+
+def _phase_groups(
+    names: list[str], phase: int, moving: Callable[[str], bool] = _moves_every_bias
+) -> list[tuple[list[str], dict[str, Any]]]:
     """The groups by name after ``phase`` changes: 0 decay / no-decay without blocks.1;
     1 plus blocks.1 in a group of its own; 2 the biases moved to a group of their own;
     3 blocks.0 frozen."""
     frozen = {"blocks.1."} if phase == 0 else {"blocks.0."} if phase == 3 else set()
     kept = [n for n in names if not any(n.startswith(f) for f in frozen)]
     new_block = [n for n in kept if n.startswith("blocks.1.")] if phase >= 1 else []
-    biases = [n for n in kept if n.endswith(".bias")] if phase >= 2 else []
+    biases = [n for n in kept if n.endswith(".bias") and moving(n)] if phase >= 2 else []
     rest = [n for n in kept if n not in new_block and n not in biases]
     groups = [
         ([n for n in rest if not _is_vector(n)], {"weight_decay": 0.1}),
@@ -69,7 +75,13 @@ def _as_dicts(groups: list[tuple[list[str], dict[str, Any]]], model: nn.Module) 
     return [{"params": [model.get_parameter(n) for n in names], **o} for names, o in groups]
 
 
-def _torch_idiom(model: nn.Module, opt: torch.optim.Optimizer, names: list[str], phase: int):
+def _torch_idiom(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    names: list[str],
+    phase: int,
+    moving: Callable[[str], bool] = _moves_every_bias,
+) -> None:
     """One process changes its groups the way torch users do."""
     params = dict(model.named_parameters())
     if phase == 1:  # unfreeze blocks.1 into a new group
@@ -78,7 +90,7 @@ def _torch_idiom(model: nn.Module, opt: torch.optim.Optimizer, names: list[str],
             param.requires_grad_(True)
         opt.add_param_group({"params": block, **NEW_BLOCK})
     if phase == 2:  # move every bias into a new group, keeping its state
-        biases = [params[n] for n in names if n.endswith(".bias")]
+        biases = [params[n] for n in names if n.endswith(".bias") and moving(n)]
         for group in opt.param_groups:
             group["params"] = [p for p in group["params"] if all(p is not b for b in biases)]
         opt.add_param_group({"params": biases, **BIASES})
@@ -336,3 +348,46 @@ def test_regroup_muon_replans_owners(run_ranks) -> None:
     assert not any(n.startswith("blocks.1.") for n in before)
     assert sorted(set(after) - set(before)) == ["blocks.1.attn.proj.weight",
         "blocks.1.attn.qkv.weight", "blocks.1.fc.weight", "blocks.1.out.weight"]  # fmt: skip
+
+
+def _not_in_block_1(name: str) -> bool:
+    return not name.startswith("blocks.1.")
+
+
+def _zero_case(rank: int, world_size: int) -> float:
+    """gs.ZeroRedundancyOptimizer over a plain model (gradients averaged by hand, as DDP
+    would): the same unfreeze / move / freeze as one process with torch's idiom, but the
+    biases of blocks.1 stay (a bucket spans units: its biases' step is not the others')."""
+    import torch.distributed as dist
+
+    model = _model()
+    reference = copy.deepcopy(model)
+    names = [n for n, _ in reference.named_parameters()]
+    zero = gs.ZeroRedundancyOptimizer(
+        _as_dicts(_phase_groups(names, 0), model), torch.optim.AdamW, lr=3e-3,
+        max_slice_numel=512,
+    )  # fmt: skip
+    reference_opt = torch.optim.AdamW(_as_dicts(_phase_groups(names, 0), reference), lr=3e-3)
+    phase_at = {UNFREEZE_AT: 1, MOVE_AT: 2, FREEZE_AT: 3}
+    local = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
+    for step, (inputs, targets) in enumerate(global_batches(STEPS, world_size)):
+        if step in phase_at:
+            groups = _phase_groups(names, phase_at[step], _not_in_block_1)
+            gs.regroup(model, zero, _as_dicts([g for g in groups if g[0]], model))
+            _torch_idiom(reference, reference_opt, names, phase_at[step], _not_in_block_1)
+        model(inputs[local], targets[local]).backward()
+        for param in model.parameters():
+            if param.grad is not None:
+                dist.all_reduce(param.grad)
+                param.grad /= world_size
+        reference(inputs, targets).backward()
+        for o in (zero, reference_opt):
+            o.step()
+            o.zero_grad()
+    return max_difference(model.state_dict(), reference.state_dict())
+
+
+def test_regroup_zero_redundancy_optimizer(run_ranks) -> None:
+    """gs.regroup rebuilds gs.ZeroRedundancyOptimizer's buckets (small ones, so moved
+    parameters change buckets) and carries each parameter's state."""
+    assert run_ranks(2, _zero_case, timeout=120)[0] < 1e-5

@@ -36,6 +36,7 @@ from groupshard.runtime import TrainingState
 from groupshard.sharding import ShardingState, register_shards, shard_attr_name, sharding_state
 from groupshard.storage import FlatStorage
 from groupshard.unit_runtime import UnitRuntime
+from groupshard.zero import ZeroRedundancyOptimizer
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,8 @@ def regroup(
     Args:
         model: a model returned by ``gs.shard``.
         optimizer: its optimizer, built from ``model.optimizer_groups()`` (a
-            ``torch.optim`` optimizer or a ``gs.optim`` one); changed in place.
+            ``torch.optim`` optimizer or a ``gs.optim`` one); changed in place. Or a
+            ``gs.ZeroRedundancyOptimizer`` with the plain or DDP model it steps.
         param_groups: ``gs.shard``'s format: dicts with "params" holding the user's own
             parameters (``model.get_parameter(name)``) plus hyperparameters. A listed
             parameter is trainable (a frozen one is unfrozen, with no optimizer state, as
@@ -74,6 +76,9 @@ def regroup(
     takes its new group's hyperparameters. docs/regroup.md has the details, and what it
     means for LR schedulers.
     """
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        _regroup_zero(model, optimizer, param_groups, default_group)
+        return
     state = sharding_state(model, "gs.regroup")
     error: BaseException | None = None
     try:
@@ -114,6 +119,35 @@ def regroup(
         original.requires_grad_(fqn in trainable)
     state.groups = groups
     _rewrite_param_groups(state, optimizer)
+
+
+def _regroup_zero(
+    model: nn.Module,
+    optimizer: ZeroRedundancyOptimizer,
+    param_groups: ParamGroups,
+    default_group: Mapping[str, Any] | None,
+) -> None:
+    """``gs.ZeroRedundancyOptimizer`` over a plain (or DDP) model: the same rules, its
+    buckets rebuilt (``ZeroRedundancyOptimizer.regroup``)."""
+    error: BaseException | None = None
+    groups: list[dict[str, Any]] = []
+    try:
+        named = dict(model.named_parameters())
+        members = list_group_members(named, param_groups)
+        groups = [{"params": [named[f] for f in fqns], **options} for fqns, options in members]
+        if default_group is not None:
+            listed = {fqn for fqns, _ in members for fqn in fqns}
+            stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            rest = [p for n, p in named.items() if id(p) in stepped and n not in listed]
+            if rest:
+                groups.append({"params": rest, **default_group})
+    except Exception as caught:  # every rank must hear of any failure
+        error = caught
+    comm.raise_if_any_failed(error, optimizer.ranks)
+    optimizer.regroup(groups)
+    trainable = {id(p) for group in groups for p in group["params"]}
+    for param in named.values():
+        param.requires_grad_(id(param) in trainable)
 
 
 def _check_between_steps(state: ShardingState) -> None:
@@ -215,10 +249,12 @@ def _check_state_carries(rebuild: _Rebuild, optimizer: torch.optim.Optimizer) ->
                 f"The parameters of {where} come with different optimizer state keys {keys}; "
                 "put parameters from groups with different optimizer options apart."
             )
+        shards = [old[fqn][0] for fqn in fqns]  # each parameter's own old shard
         for key in sorted(states[0]):
-            shard = old[fqns[0]][0]
             values = {
-                _scalar_text(s[key]) for s in states if not flatten.is_per_element(s[key], shard)
+                _scalar_text(s[key])
+                for s, shard in zip(states, shards, strict=True)
+                if not flatten.is_per_element(s[key], shard)
             }
             if len(values) > 1:
                 raise ValueError(
