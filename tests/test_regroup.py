@@ -45,6 +45,12 @@ def _moves_every_bias(name: str) -> bool:
     return True
 
 
+def _moved(name: str, moving: Callable[[str], bool]) -> bool:
+    """Moved to a group of their own at MOVE_AT: the biases, and one matrix (its flat
+    buffer in blocks.0 then merges pieces of two old ones, each with its own moments)."""
+    return (name.endswith(".bias") and moving(name)) or name == "blocks.0.fc.weight"
+
+
 def _phase_groups(
     names: list[str], phase: int, moving: Callable[[str], bool] = _moves_every_bias
 ) -> list[tuple[list[str], dict[str, Any]]]:
@@ -54,7 +60,7 @@ def _phase_groups(
     frozen = {"blocks.1."} if phase == 0 else {"blocks.0."} if phase == 3 else set()
     kept = [n for n in names if not any(n.startswith(f) for f in frozen)]
     new_block = [n for n in kept if n.startswith("blocks.1.")] if phase >= 1 else []
-    biases = [n for n in kept if n.endswith(".bias") and moving(n)] if phase >= 2 else []
+    biases = [n for n in kept if _moved(n, moving)] if phase >= 2 else []
     rest = [n for n in kept if n not in new_block and n not in biases]
     groups = [
         ([n for n in rest if not _is_vector(n)], {"weight_decay": 0.1}),
@@ -90,7 +96,7 @@ def _torch_idiom(
             param.requires_grad_(True)
         opt.add_param_group({"params": block, **NEW_BLOCK})
     if phase == 2:  # move every bias into a new group, keeping its state
-        biases = [params[n] for n in names if n.endswith(".bias") and moving(n)]
+        biases = [params[n] for n in names if _moved(n, moving)]
         for group in opt.param_groups:
             group["params"] = [p for p in group["params"] if all(p is not b for b in biases)]
         opt.add_param_group({"params": biases, **BIASES})
