@@ -333,6 +333,9 @@ def _muon_case(rank: int, world_size: int) -> tuple[float, list[str], list[str]]
     local = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
     for step, (inputs, targets) in enumerate(global_batches(4, world_size)):
         if step == 2:
+            refused = _muon_groups(names, sharded, True)
+            refused[2]["params"] += refused.pop(3)["params"]  # vectors in a Muon group
+            _expect_error(lambda g=refused: gs.regroup(sharded, opt, g), "blocks.1.ln_1.weight")
             gs.regroup(sharded, opt, _muon_groups(names, sharded, True))
             for param in reference.blocks[1].parameters():
                 param.requires_grad_(True)

@@ -20,6 +20,8 @@ Note: state
 
 from __future__ import annotations
 
+import copy
+from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -99,6 +101,7 @@ def regroup(
         ]
         for rebuild in rebuilds:
             _check_state_carries(rebuild, optimizer)
+        _check_optimizer_accepts(optimizer, groups, layouts)
     except Exception as caught:  # every rank must hear of any failure
         error = caught
     comm.raise_if_any_failed(error, state.ranks)
@@ -262,6 +265,40 @@ def _check_state_carries(rebuild: _Rebuild, optimizer: torch.optim.Optimizer) ->
                     f"{key!r} ({sorted(values)}); a flat buffer keeps one {key!r} for all its "
                     "parameters. Put the parameters that differ in a param group of their own."
                 )
+
+
+def _check_optimizer_accepts(
+    optimizer: torch.optim.Optimizer,
+    groups: ResolvedGroups,
+    layouts: Mapping[str, Mapping[torch.dtype, StorageLayout]],
+) -> None:
+    """Run the optimizer's own ``add_param_group`` on a shallow copy, with meta stand-ins
+    shaped like the parameters, so that a group it refuses (e.g. a vector in a Muon group)
+    fails before anything changes. A wrapper (LARC, AGC) is probed through its inner one."""
+    inner = optimizer
+    while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
+        inner = inner.optimizer  # type: ignore[assignment]
+    probe = copy.copy(inner)
+    probe.param_groups, probe.state = [], defaultdict(dict)
+    slots = {
+        slot.fqn: (slot.shape, layout.dtype)
+        for by_dtype in layouts.values()
+        for layout in by_dtype.values()
+        for buffer in layout.buffers
+        for slot in buffer.params
+    }
+    for group in groups.groups:
+        stand_ins = [
+            torch.empty(slots[fqn][0], dtype=slots[fqn][1], device="meta", requires_grad=True)
+            for fqn in group.fqns
+        ]
+        try:
+            probe.add_param_group({"params": stand_ins, **group.options})
+        except (ValueError, TypeError) as error:
+            raise type(error)(
+                f"{type(optimizer).__name__} refuses param group {group.index} of gs.regroup "
+                f"(params {list(group.fqns)}): {error}"
+            ) from error
 
 
 def _scalar_text(value: Any) -> str:
