@@ -102,11 +102,13 @@ def _group_tensors(index: int, group: dict[str, Any]) -> list[Any]:
 
 
 def list_group_members(
-    params_by_name: Mapping[str, torch.Tensor], param_groups: ParamGroups | None
+    params_by_name: Mapping[str, torch.Tensor],
+    param_groups: ParamGroups | None,
+    not_a_parameter: str = "build the groups from this model before sharding it",
 ) -> list[tuple[list[str], dict[str, Any]]]:
     """Each group's listed parameters by FQN (matched by identity in ``params_by_name``)
     and its hyperparameters; a ValueError or TypeError names a tensor that is not one of
-    them, or a parameter listed twice."""
+    them (``not_a_parameter``: what to do instead), or a parameter listed twice."""
     names = {id(param): name for name, param in params_by_name.items()}
     owner: dict[str, int] = {}
     members: list[tuple[list[str], dict[str, Any]]] = []
@@ -122,9 +124,8 @@ def list_group_members(
             if fqn is None:
                 raise ValueError(
                     f"Param group {index}, params[{position}]: a tensor of shape "
-                    f"{tuple(tensor.shape)} is not a parameter of the model being sharded "
-                    "(parameters are matched by identity; build the groups from this model "
-                    "before sharding it)."
+                    f"{tuple(tensor.shape)} is not a parameter of the model (parameters are "
+                    f"matched by identity; {not_a_parameter})."
                 )
             if fqn in owner:
                 where = (

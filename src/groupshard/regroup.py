@@ -40,6 +40,11 @@ from groupshard.storage import FlatStorage
 from groupshard.unit_runtime import UnitRuntime
 from groupshard.zero import ZeroRedundancyOptimizer
 
+_NOT_A_PARAMETER = (
+    "pass the model's own parameters, model.get_parameter(name) (a sharded model's "
+    "model.parameters() are its flat shards)"
+)
+
 
 @dataclass(frozen=True)
 class _Rebuild:
@@ -84,24 +89,7 @@ def regroup(
     state = sharding_state(model, "gs.regroup")
     error: BaseException | None = None
     try:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"gs.regroup expects the model's torch.optim.Optimizer, got "
-                f"{type(optimizer).__name__}"
-            )
-        check_optimizer(model, optimizer)
-        _check_between_steps(state)
-        groups = _resolve(state, param_groups, default_group)
-        layouts = _plan_layouts(state, groups)
-        rebuilds = [
-            _Rebuild(unit, index, layouts[unit.name][storage.layout.dtype])
-            for unit in state.runtime.units
-            for index, storage in enumerate(unit.storages)
-            if layouts[unit.name][storage.layout.dtype] != storage.layout
-        ]
-        for rebuild in rebuilds:
-            _check_state_carries(rebuild, optimizer)
-        _check_optimizer_accepts(optimizer, groups, layouts)
+        groups, layouts, rebuilds = _plan(model, state, optimizer, param_groups, default_group)
     except Exception as caught:  # every rank must hear of any failure
         error = caught
     comm.raise_if_any_failed(error, state.ranks)
@@ -124,6 +112,35 @@ def regroup(
     _rewrite_param_groups(state, optimizer)
 
 
+def _plan(
+    model: nn.Module,
+    state: ShardingState,
+    optimizer: torch.optim.Optimizer,
+    param_groups: ParamGroups,
+    default_group: Mapping[str, Any] | None,
+) -> tuple[ResolvedGroups, dict[str, dict[torch.dtype, StorageLayout]], list[_Rebuild]]:
+    """The new groups, every unit's new layouts and the storages to rebuild, after every
+    check that can fail (this rank's; nothing changes)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"gs.regroup expects the model's torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    check_optimizer(model, optimizer)
+    _check_between_steps(state)
+    groups = _resolve(state, param_groups, default_group)
+    layouts = _plan_layouts(state, groups)
+    rebuilds = [
+        _Rebuild(unit, index, layouts[unit.name][storage.layout.dtype])
+        for unit in state.runtime.units
+        for index, storage in enumerate(unit.storages)
+        if layouts[unit.name][storage.layout.dtype] != storage.layout
+    ]
+    for rebuild in rebuilds:
+        _check_state_carries(rebuild, optimizer)
+    _check_optimizer_accepts(optimizer, groups, layouts)
+    return groups, layouts, rebuilds
+
+
 def _regroup_zero(
     model: nn.Module,
     optimizer: ZeroRedundancyOptimizer,
@@ -136,7 +153,7 @@ def _regroup_zero(
     groups: list[dict[str, Any]] = []
     try:
         named = dict(model.named_parameters())
-        members = list_group_members(named, param_groups)
+        members = list_group_members(named, param_groups, _NOT_A_PARAMETER)
         groups = [{"params": [named[f] for f in fqns], **options} for fqns, options in members]
         if default_group is not None:
             listed = {fqn for fqns, _ in members for fqn in fqns}
@@ -180,7 +197,7 @@ def _resolve(
     """The new groups by FQN: every listed parameter trainable, the rest frozen (or in
     ``default_group`` if trainable now)."""
     originals = state.original_params
-    members = list_group_members(originals, param_groups)
+    members = list_group_members(originals, param_groups, _NOT_A_PARAMETER)
     groups = [
         ResolvedGroup(index, tuple(fqns), options, tuple(fqns))
         for index, (fqns, options) in enumerate(members)
