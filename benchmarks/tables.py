@@ -524,7 +524,31 @@ def before_after_table(reports: list[Report]) -> Lines:
     return markdown(header, rows)
 
 
+def regroup_table(reports: list[Report]) -> Lines:
+    """``gs.regroup`` per call (``regroup_memory.py``): the peak RSS above the RSS before the
+    call and the seconds, the most over ranks, beside the bound's parts: the largest unit's
+    parameters and AdamW state unsharded (x3 of its fp32 parameters), and its shard."""
+    report = one(reports, "regroup-memory")
+    ranks = report["ranks"]
+    largest = max(ranks[0]["unit_params_bytes"].values())
+    world = report["world_size"]
+    header = ["call", "peak above before MiB", "s", "largest unit's params + state MiB",
+              "+ its shard MiB"]  # fmt: skip
+    rows = [
+        [
+            label,
+            mib(max(r["calls"][label]["peak_above_before"] for r in ranks), ".1f"),
+            f"{max(r['calls'][label]['seconds'] for r in ranks):.2f}",
+            mib(3 * largest, ".1f"),
+            mib(3 * largest + largest / world, ".1f"),
+        ]
+        for label in ranks[0]["calls"]
+    ]
+    return markdown(header, rows)
+
+
 KINDS: dict[str, Callable[[list[Report]], Lines]] = {
+    "regroup": regroup_table,
     "before-after": before_after_table,
     "main": main_table,
     "ratios": ratios_table,

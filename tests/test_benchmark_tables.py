@@ -34,7 +34,9 @@ def test_readme_tables_match_the_results_json():
 
 def test_readme_has_tables_for_every_benchmark():
     text = (BENCHMARKS / "README.md").read_text()
-    for kind in ("main", "ratios", "precision", "overlap", "prefetch", "construction", "muon"):
+    for kind in (
+        "main", "ratios", "precision", "overlap", "prefetch", "construction", "muon", "regroup",
+    ):
         assert f" {kind} -->" in text, kind
 
 

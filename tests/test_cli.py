@@ -711,3 +711,23 @@ def test_more_processes_than_cores_warns_once(tmp_path, monkeypatch, capsys):
         "groupshard train: warning: --nproc 3 is more than the 2 CPU cores here: the processes "
         "will share cores, which makes training slower per token (--nproc 2 or less avoids it)"
     ]
+
+
+def test_freeze_embeddings_until_adds_their_group_mid_run_and_resumes_across_it(tmp_path):
+    """--freeze-embeddings-until 6: steps 1-6 train without the embeddings, then gs.regroup
+    adds them as a group of their own (logged and plotted from step 7); a run stopped
+    before the regroup resumes into it."""
+    out = str(tmp_path / "run")
+    freeze = ["--freeze-embeddings-until", "6"]
+    groupshard("train", *TINY, "--steps", "4", "--out", out, *freeze)
+    groupshard("train", *TINY, "--steps", "8", "--out", out, *freeze, "--resume")
+    rows = _rows(out)
+    assert [row["step"] for row in rows] == list(range(1, 9))
+    assert ["grad_norm/embeddings" in row for row in rows] == [False] * 6 + [True] * 2
+    assert all(row["lr/embeddings"] == row["lr/decay"] for row in rows[6:])
+    assert os.path.exists(os.path.join(out, "training.png"))
+    with open(os.path.join(out, "summary.json")) as handle:
+        groups = {g["group"]: g for g in json.load(handle)["groups"]}
+    assert groups["embeddings"]["tensors"] == 2 and groups["embeddings"]["grad_norm"] > 0
+    refused = groupshard("train", *TINY, "--zero", *freeze, "--out", out, check=False)
+    assert refused.returncode != 0 and "--freeze-embeddings-until" in refused.stderr

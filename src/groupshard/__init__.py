@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     )
     from groupshard.optim.muon_groups import muon_groups
     from groupshard.precision import MixedPrecision
+    from groupshard.regroup import regroup
     from groupshard.safetensors_io import save_safetensors
     from groupshard.scaler import GradScaler
     from groupshard.zero import ZeroRedundancyOptimizer
@@ -53,6 +54,7 @@ _HOMES = {
     "groups_by": "groups",
     "muon_groups": "optim.muon_groups",
     "MixedPrecision": "precision",
+    "regroup": "regroup",
     "GradScaler": "scaler",
     "save_safetensors": "safetensors_io",
     "clip_grad_norm_": "norms",
@@ -102,6 +104,7 @@ __all__ = [
     "optim",
     "optim_state_dict",
     "param_norms",
+    "regroup",
     "save_safetensors",
     "shard",
     "shard_optimizer",

@@ -272,7 +272,7 @@ def _write_back(state: ShardingState, masters: list[torch.Tensor]) -> None:
             storage.write_back(unsharded_of[id(storage)])
 
 
-def _plan_storages(
+def plan_storages(
     groups: ResolvedGroups, plan: UnitPlan, params: Mapping[str, nn.Parameter], world_size: int
 ) -> dict[str, list[StorageLayout]]:
     """Storage layouts per unit: one per dtype, a flat buffer per (group, dtype)."""
@@ -303,7 +303,12 @@ def _plan_storages(
     return storages
 
 
-def _check_same_structure(signature: Any, ranks: comm.Ranks) -> None:
+def check_same_structure(
+    signature: Any,
+    ranks: comm.Ranks,
+    doing: str = "shard the model",
+    remedy: str = "the same param groups, unit, strategy and options of gs.shard",
+) -> None:
     """Fail on every rank, naming the first difference, if ranks sharded differently."""
     signatures = comm.gather_objects(signature, ranks)
     for rank, other in enumerate(signatures):
@@ -313,13 +318,13 @@ def _check_same_structure(signature: Any, ranks: comm.Ranks) -> None:
         for key in [*ours, *(k for k in theirs if k not in ours)]:
             if ours.get(key) != theirs.get(key):
                 raise ValueError(
-                    f"Ranks disagree on how to shard the model: {key} on rank 0 is "
+                    f"Ranks disagree on how to {doing}: {key} on rank 0 is "
                     f"{ours[key]!r} but on rank {rank} is {theirs[key]!r}. Every rank must "
-                    "pass the same param groups, unit, strategy and options of gs.shard."
+                    f"pass {remedy}."
                 )
 
 
-def _signature(
+def structure_signature(
     groups: ResolvedGroups,
     storages: dict[str, list[StorageLayout]],
     model: nn.Module,
@@ -430,7 +435,7 @@ def shard(
         params = dict(model.named_parameters())
         meta = bool(meta_parameters(params))
         world_size = 1 if strategy == "no_shard" else sharding.shard.size
-        layouts = _plan_storages(groups, plan, params, world_size)
+        layouts = plan_storages(groups, plan, params, world_size)
         modules = dict(model.named_modules())
         policies = {name: unit_policy(mixed_precision, name, modules[name]) for name in plan.names}
         if not meta and (param_init_fn is not None or device is not None):
@@ -450,7 +455,7 @@ def shard(
         "built on the meta device": target is not None,
         "mesh": mesh_signature(mesh),
     }
-    _check_same_structure(_signature(groups, layouts, model, signature), ranks)
+    check_same_structure(structure_signature(groups, layouts, model, signature), ranks)
     materialize = (
         functools.partial(
             materialize_unit,

@@ -45,6 +45,7 @@ from groupshard.segments import attach_segments, segments_of
 from groupshard.writes import note_parameters_written
 
 SKIP_ATTR = "groupshard_skip"
+ORIGINAL_ATTR = "groupshard_original"  # on the user's parameters of a sharded model: the FQN
 
 
 @dataclass(frozen=True)
@@ -358,6 +359,7 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
     _after_step(optimizer, args, kwargs)
     for group in optimizer.param_groups:
         for shard in group["params"]:
+            _refuse_original(shard)
             grad = shard.grad
             if not isinstance(grad, ShardGrad) or id(shard) in _held:
                 continue
@@ -370,6 +372,19 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
                 if record is not None:
                     keep = preserve_segments(shard, optimizer.state[shard], record.ranges)
             _held[id(shard)] = (id(optimizer), _restorer(shard, grad, shard.grad, keep))
+
+
+def _refuse_original(param: torch.Tensor) -> None:
+    """torch's idiom (``requires_grad_(True)``, ``optimizer.add_param_group``) with the
+    user's parameter of a sharded model would step a tensor the model never reads."""
+    fqn = getattr(param, ORIGINAL_ATTR, None)
+    if fqn is not None:
+        raise ValueError(
+            f"The optimizer holds parameter {fqn!r} of a model sharded by gs.shard (e.g. "
+            "through optimizer.add_param_group), which the sharded model never reads: its "
+            "values live in flat shards. Change param groups with gs.regroup(model, "
+            "optimizer, groups) instead (docs/regroup.md)."
+        )
 
 
 def _restorer(

@@ -47,11 +47,6 @@ class ResolvedGroups:
         return {fqn: group.index for group in self.groups for fqn in group.fqns}
 
 
-def parameter_names(model: nn.Module) -> dict[int, str]:
-    """``id(parameter) -> FQN``; a tied parameter gets its first name."""
-    return {id(param): name for name, param in model.named_parameters()}
-
-
 def check_parameter_kinds(model: nn.Module) -> None:
     """Reject parameters that cannot be flattened: sparse or not floating point."""
     for name, param in model.named_parameters():
@@ -67,10 +62,12 @@ def check_parameter_kinds(model: nn.Module) -> None:
             )
 
 
-def _group_dicts(param_groups: ParamGroups | None, model: nn.Module) -> list[dict[str, Any]]:
+def _group_dicts(
+    param_groups: ParamGroups | None, params_by_name: Mapping[str, torch.Tensor]
+) -> list[dict[str, Any]]:
     """Normalise the accepted input forms to a list of dicts, as torch.optim does."""
     if param_groups is None:
-        return [{"params": [p for p in model.parameters() if p.requires_grad]}]
+        return [{"params": [p for p in params_by_name.values() if p.requires_grad]}]
     if isinstance(param_groups, torch.Tensor):
         raise TypeError(
             "Expects param groups as an iterable of tensors or of dicts, but got a single "
@@ -104,6 +101,47 @@ def _group_tensors(index: int, group: dict[str, Any]) -> list[Any]:
     return list(params)
 
 
+def list_group_members(
+    params_by_name: Mapping[str, torch.Tensor],
+    param_groups: ParamGroups | None,
+    not_a_parameter: str = "build the groups from this model before sharding it",
+) -> list[tuple[list[str], dict[str, Any]]]:
+    """Each group's listed parameters by FQN (matched by identity in ``params_by_name``)
+    and its hyperparameters; a ValueError or TypeError names a tensor that is not one of
+    them (``not_a_parameter``: what to do instead), or a parameter listed twice."""
+    names = {id(param): name for name, param in params_by_name.items()}
+    owner: dict[str, int] = {}
+    members: list[tuple[list[str], dict[str, Any]]] = []
+    for index, group in enumerate(_group_dicts(param_groups, params_by_name)):
+        listed = []
+        for position, tensor in enumerate(_group_tensors(index, group)):
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(
+                    f"Param group {index}, params[{position}]: expects a Tensor but got "
+                    f"{type(tensor).__name__}."
+                )
+            fqn = names.get(id(tensor))
+            if fqn is None:
+                raise ValueError(
+                    f"Param group {index}, params[{position}]: a tensor of shape "
+                    f"{tuple(tensor.shape)} is not a parameter of the model (parameters are "
+                    f"matched by identity; {not_a_parameter})."
+                )
+            if fqn in owner:
+                where = (
+                    "twice in that group" if owner[fqn] == index else f"also in group {owner[fqn]}"
+                )
+                raise ValueError(
+                    f"Parameter {fqn!r} is in param group {index} and {where}; "
+                    "each parameter must be in exactly one group."
+                )
+            owner[fqn] = index
+            listed.append(fqn)
+        options = {key: value for key, value in group.items() if key != "params"}
+        members.append((listed, options))
+    return members
+
+
 def resolve_groups(
     model: nn.Module,
     param_groups: ParamGroups | None,
@@ -120,41 +158,13 @@ def resolve_groups(
             trainable parameters no group names; ``None`` makes leaving one out an error.
     """
     check_parameter_kinds(model)
-    names = parameter_names(model)
     params_by_name = dict(model.named_parameters())
-    owner: dict[str, int] = {}
     groups: list[ResolvedGroup] = []
-    for index, group in enumerate(_group_dicts(param_groups, model)):
-        fqns, listed = [], []
-        for position, tensor in enumerate(_group_tensors(index, group)):
-            if not isinstance(tensor, torch.Tensor):
-                raise TypeError(
-                    f"Param group {index}, params[{position}]: expects a Tensor but got "
-                    f"{type(tensor).__name__}."
-                )
-            fqn = names.get(id(tensor))
-            if fqn is None:
-                raise ValueError(
-                    f"Param group {index}, params[{position}]: a tensor of shape "
-                    f"{tuple(tensor.shape)} is not a parameter of the model being sharded "
-                    "(parameters are matched by identity; build the groups from this model "
-                    "before sharding it)."
-                )
-            if fqn in owner:
-                where = (
-                    "twice in that group" if owner[fqn] == index else f"also in group {owner[fqn]}"
-                )
-                raise ValueError(
-                    f"Parameter {fqn!r} is in param group {index} and {where}; "
-                    "each parameter must be in exactly one group."
-                )
-            owner[fqn] = index
-            listed.append(fqn)
-            if tensor.requires_grad:
-                fqns.append(fqn)
-        options = {key: value for key, value in group.items() if key != "params"}
-        groups.append(ResolvedGroup(index, tuple(fqns), options, tuple(listed)))
-    missing = [n for n, p in params_by_name.items() if p.requires_grad and n not in owner]
+    for index, (listed, options) in enumerate(list_group_members(params_by_name, param_groups)):
+        fqns = tuple(fqn for fqn in listed if params_by_name[fqn].requires_grad)
+        groups.append(ResolvedGroup(index, fqns, options, tuple(listed)))
+    owned = {fqn for group in groups for fqn in group.listed}
+    missing = [n for n, p in params_by_name.items() if p.requires_grad and n not in owned]
     if missing and default_group is None:
         shown = ", ".join(repr(n) for n in missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ValueError(

@@ -58,6 +58,7 @@ class ShardedRuntime:
         self.reshard_after_backward = True  # False: units stay gathered after backward
         self._backward_task = -1  # autograd's id of the backward the hooks serve
         self._handles: list[Any] = []
+        self._gradient_hooks: dict[FlatStorage, Any] = {}  # each storage's, to remove it
 
     @property
     def strategy(self) -> str:
@@ -77,12 +78,27 @@ class ShardedRuntime:
             )
             self._handles.append(module.register_forward_hook(_eager(post_forward)))
             for storage in unit.storages:
-                if storage.layout.trainable_buffers:
-                    self._handles.append(
-                        storage.unsharded_trainable.register_post_accumulate_grad_hook(
-                            self._gradient_ready_hook(storage)
-                        )
-                    )
+                self._hook_gradient(storage)
+
+    def _hook_gradient(self, storage: FlatStorage) -> None:
+        if storage.layout.trainable_buffers:
+            self._gradient_hooks[storage] = (
+                storage.unsharded_trainable.register_post_accumulate_grad_hook(
+                    self._gradient_ready_hook(storage)
+                )
+            )
+
+    def replace_storage(self, unit: UnitRuntime, index: int, storage: FlatStorage) -> None:
+        """Make ``storage`` the unit's storage ``index`` (``gs.regroup``, between steps): its
+        gradient hook (the old one's removed: it holds the old storage in a reference
+        cycle), and bucket sizes learnt afresh from the next backward."""
+        old = self._gradient_hooks.pop(unit.storages[index], None)
+        if old is not None:
+            old.remove()
+        unit.replace_storage(index, storage)
+        self.__dict__.pop("_storage_names", None)
+        self.buckets = GradientBuckets(self.options)
+        self._hook_gradient(storage)
 
     def reshard(self) -> None:
         """Free every gathered unit now (FSDP2's ``reshard``)."""
@@ -221,9 +237,7 @@ class ShardedRuntime:
         units' forward order (gathers, ``full`` and ``grad_op``), backward order (gathers,
         ``full``) and the order gradients arrived in (buckets, every strategy)."""
         names = self._storage_names
-        orders = {
-            "order gradients arrived in": [names[s] for s, _, _ in self.buckets.arrivals]
-        }
+        orders = {"order gradients arrived in": [names[s] for s, _, _ in self.buckets.arrivals]}
         if self.strategy != "no_shard":
             orders["forward order of units"] = [u.label for u in self.gathers.forward_running]
         if self.strategy == "full":

@@ -180,9 +180,10 @@ class FlatStorage:
         unfrozen = [fqn for fqn, p in self.frozen_originals.items() if p.requires_grad]
         if unfrozen:
             raise ValueError(
-                f"Parameters {unfrozen} were frozen when the model was sharded and were given "
-                "requires_grad=True since; gs.shard cannot unfreeze a parameter yet (it has no "
-                "group and no gradient): freeze them again, or unfreeze before gs.shard."
+                f"Parameters {unfrozen} were frozen when the model was sharded (or by "
+                "gs.regroup) and were given requires_grad=True since; a sharded model keeps "
+                "them in a flat buffer without gradient or param group: unfreeze them with "
+                "gs.regroup(model, optimizer, groups) (docs/regroup.md), or freeze them again."
             )
 
     @cached_property
@@ -333,9 +334,7 @@ class FlatStorage:
         for shard, buffer in zip(self.shards, self.layout.buffers, strict=True):
             full = flatten.unshard(shard, buffer, self.ranks, self.replicated)
             params.update(
-                zip(
-                    (slot.fqn for slot in buffer.params), flatten.split(full, buffer), strict=True
-                )
+                zip((slot.fqn for slot in buffer.params), flatten.split(full, buffer), strict=True)
             )
         return params
 
@@ -367,4 +366,3 @@ class FlatStorage:
         ):
             start, end = buffer.shard_range(self.shard_rank)
             self.local[slice(*self.layout.local_range(index))].copy_(data[start:end])
-

@@ -9,6 +9,7 @@ from functools import cached_property
 import torch
 from torch import nn
 
+from groupshard.gradients import ORIGINAL_ATTR
 from groupshard.precision import MixedPrecision
 from groupshard.storage import FlatStorage
 
@@ -30,6 +31,8 @@ class UnitRuntime:
         self.storages = list(storages)
         self.places = places  # FQN -> [(module, attribute)], every registration
         self.originals = originals  # FQN -> the user's parameter object
+        for fqn, original in originals.items():
+            setattr(original, ORIGINAL_ATTR, fqn)  # an optimizer step refuses it
         self.policy = policy
 
     @property
@@ -58,6 +61,11 @@ class UnitRuntime:
             for s in self.storages
             if not s.aliases_local
         )
+
+    def replace_storage(self, index: int, storage: FlatStorage) -> None:
+        """Make ``storage`` the unit's storage ``index`` (``gs.regroup`` re-lays it out)."""
+        self.storages[index] = storage
+        self.__dict__.pop("unsharded_bytes", None)
 
     def reshard(self) -> None:
         """Free the gathered buffers; the parameters' names show this rank's pieces."""

@@ -144,6 +144,35 @@ def _flat_piece(param: torch.Tensor, offset: int, numel: int) -> torch.Tensor:
     return param.detach().reshape(-1)[offset : offset + numel]
 
 
+def _check_carried_state(
+    index: int, positions: list[int], states: list[tuple[torch.Tensor | None, dict[str, Any]]]
+) -> None:
+    """A new bucket keeps one scalar state (``step``) for all its parameters: refuse,
+    naming them, parameters with state beside ones without, or different ``step``s
+    (``states``: each parameter's old slice and that slice's state)."""
+    if not states:
+        return
+    names = [_param_name(index, i) for i in positions]
+    without = [name for name, (_, state) in zip(names, states, strict=True) if not state]
+    if without and len(without) < len(names):
+        raise ValueError(
+            f"{without} have no optimizer state (newly trainable) but would share a bucket "
+            "with parameters that have state; a bucket keeps one 'step' for all its "
+            "parameters. Put them in a param group of their own."
+        )
+    for key in states[0][1] if not without else ():
+        values = {
+            repr(state[key].tolist() if isinstance(state[key], torch.Tensor) else state[key])
+            for shard, state in states
+            if not flatten.is_per_element(state[key], shard)
+        }
+        if len(values) > 1:
+            raise ValueError(
+                f"The parameters {names} would share a bucket but hold different optimizer "
+                f"state {key!r} ({sorted(values)}); put them in separate param groups."
+            )
+
+
 class _Bucket:
     """Consecutive parameters of one group as a flat buffer, and this rank's slice of it."""
 
@@ -475,6 +504,67 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                 del groups[groups_before:]
             raise
         self._replicas_checked = False
+
+    def regroup(self, param_groups: list[dict[str, Any]]) -> None:
+        """``gs.regroup`` for this optimizer: new groups and buckets, each parameter that
+        stays keeping its state (by identity), new ones starting without, the others'
+        dropped. Collective: every rank passes the same groups. The whole optimizer state
+        is gathered once (as ``consolidate_state_dict`` does, on every rank)."""
+        error: BaseException | None = None
+        try:
+            groups = _check_params(param_groups)
+            old_state = {
+                id(param): (bucket.shard, self.optim.state.get(bucket.shard, {}))
+                for bucket in self._all_buckets
+                for param in bucket.params
+            }
+            for index, group in enumerate(groups):
+                if not group["params"]:
+                    raise ValueError(
+                        f"Param group {index} is empty; every group of a "
+                        "ZeroRedundancyOptimizer needs parameters (leave it out)."
+                    )
+                for positions in _bucket_positions(
+                    group["params"], self.ranks.size, self.max_slice_numel
+                ):
+                    states = [old_state.get(id(group["params"][i]), (None, {})) for i in positions]
+                    _check_carried_state(index, positions, states)
+        except Exception as caught:  # every rank must hear of any failure
+            error = caught
+        comm.raise_if_any_failed(error, self.ranks)
+        per_param: dict[int, dict[str, Any]] = {}
+        for bucket in self._all_buckets:
+            local = self.optim.state.get(bucket.shard, {})
+            if local:
+                entries = flatten.gather_shard_state(
+                    local, bucket.shard, bucket.layout, self.ranks, replicated=False
+                )
+                per_param.update(zip(map(id, bucket.params), entries, strict=True))
+        staying = {id(p) for group in groups for p in group["params"]}
+        for bucket in self._all_buckets:  # a parameter leaving a bucket view gets its own data
+            for param in bucket.params:
+                if bucket.flat is not None and id(param) not in staying:
+                    param.data = param.data.clone()
+        self.param_groups.clear()
+        self._buckets = []
+        for group in groups:
+            super().add_param_group(group)
+        self.optim = self.optimizer_class(
+            [self._local_group(group) for group in self.param_groups], **self.defaults
+        )
+        self._sync(self.optim.param_groups, self.param_groups)
+        for bucket in self._all_buckets:
+            entries = [per_param.get(id(param)) for param in bucket.params]
+            if entries and all(entries):
+                self.optim.state[bucket.shard] = flatten.shard_state_from(
+                    entries,
+                    bucket.shard,
+                    bucket.layout,
+                    self.rank,  # type: ignore[arg-type]
+                )
+        self._consolidated = None
+        self._replicas_checked = False
+        self._check_same_groups_on_every_rank()
 
     def _keep_parameters_without_gradient(self) -> list[Callable[[], None]]:
         """Per bucket being stepped: restore, after the step, the values and per-element

@@ -128,6 +128,13 @@ def _parser() -> argparse.ArgumentParser:
         "--strategy", choices=["full", "grad_op", "no_shard"], default="full",
         help="ZeRO-3, ZeRO-2 or DDP-like",
     )  # fmt: skip
+    train.add_argument(
+        "--freeze-embeddings-until", type=int, default=0, metavar="STEP",
+        help="fine-tuning's progressive unfreezing: the embeddings (wte, tied to the output "
+        "layer, and wpe) stay frozen for the first STEP steps, then gs.regroup adds them as a "
+        "param group of their own, the other groups keeping their optimizer state (the plot "
+        "shows the group appearing); 0: trained from the start. Not with --zero",
+    )  # fmt: skip
     train.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="optimizer")
     train.add_argument("--zero", action="store_true", help="DDP + the ZeRO-1 optimizer instead")
     train.add_argument("--nproc", type=int, default=2, help="local worker processes")
@@ -234,6 +241,15 @@ def _check(args: argparse.Namespace) -> TrainConfig:
             "builds the whole model on every rank"
         )
     _check_hybrid(args)
+    if args.freeze_embeddings_until < 0:
+        raise CommandError(
+            f"--freeze-embeddings-until must be 0 or more, got {args.freeze_embeddings_until}"
+        )
+    if args.zero and args.freeze_embeddings_until:
+        raise CommandError(
+            "--freeze-embeddings-until needs groupshard's sharding (gs.regroup); --zero (DDP + "
+            "the ZeRO-1 optimizer) trains every group from the start"
+        )
     if args.loss_scale is not None and args.precision != "fp16":
         raise CommandError(f"--loss-scale needs --precision fp16, got --precision {args.precision}")
     if args.loss_scale is not None and not args.loss_scale > 0:
@@ -276,6 +292,7 @@ def _check(args: argparse.Namespace) -> TrainConfig:
         init=args.init or ("full" if args.zero else "meta"),
         replicate=_replicas(args),
         loss_scale=DEFAULT_LOSS_SCALE if args.loss_scale is None else args.loss_scale,
+        freeze_embeddings_until=args.freeze_embeddings_until,
     )  # fmt: skip
     _check_out(out)
     if resume:

@@ -92,12 +92,19 @@ def plot(out: Path, rows: list[dict[str, Any]], summary: dict[str, Any] | None =
     loss_axis.set(xlabel="step", ylabel="cross-entropy (nats/byte)", title="loss")
     loss_axis.legend(fontsize="small")
 
-    groups = [k.removeprefix("grad_norm/") for k in rows[0] if k.startswith("grad_norm/")]
+    # a group that gs.regroup added mid-run (--freeze-embeddings-until) appears in later rows
+    groups = list(dict.fromkeys(
+        k.removeprefix("grad_norm/") for r in rows for k in r if k.startswith("grad_norm/")
+    ))  # fmt: skip
     for index, group in enumerate(groups):
-        norm_axis.plot(steps, [r[f"grad_norm/{group}"] for r in rows], color=f"C{index}",
-                       linewidth=1, label=group)  # fmt: skip
+        having = [r for r in rows if f"grad_norm/{group}" in r]
+        norm_axis.plot([r["step"] for r in having], [r[f"grad_norm/{group}"] for r in having],
+                       color=f"C{index}", linewidth=1, label=group)  # fmt: skip
     if len(groups) > 1:
-        total = [math.sqrt(sum(r[f"grad_norm/{g}"] ** 2 for g in groups)) for r in rows]
+        total = [
+            math.sqrt(sum(r[f"grad_norm/{g}"] ** 2 for g in groups if f"grad_norm/{g}" in r))
+            for r in rows
+        ]
         norm_axis.plot(steps, total, color="0.6", linewidth=2.5, zorder=1, label="all groups")
     if config.get("clip", 0) > 0:
         norm_axis.axhline(config["clip"], color="red", linestyle="--",
@@ -109,9 +116,15 @@ def plot(out: Path, rows: list[dict[str, Any]], summary: dict[str, Any] | None =
     norm_axis.legend(fontsize="small", ncol=2, loc="upper right")
 
     for index, group in enumerate(groups):
-        key = f"lr/{group}" if f"lr/{group}" in rows[0] else "lr"
-        lr_axis.plot(steps, [r[key] for r in rows], color=f"C{index}",
+        key = f"lr/{group}" if any(f"lr/{group}" in r for r in rows) else "lr"
+        having = [r for r in rows if key in r]
+        lr_axis.plot([r["step"] for r in having], [r[key] for r in having], color=f"C{index}",
                      linestyle=("-", "--", ":", "-.")[index % 4], label=group)  # fmt: skip
+        if having and having[0]["step"] > steps[0]:  # the group appeared at this step
+            first = having[0]["step"]
+            norm_axis.axvline(first, color=f"C{index}", linestyle=":", linewidth=1)
+            lr_axis.axvline(first, color=f"C{index}", linestyle=":", linewidth=1,
+                            label=f"{group} added at step {first} (gs.regroup)")  # fmt: skip
     lr_axis.set(xlabel="step", ylabel="learning rate", title="learning rate per param group")
     lr_axis.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
     lr_axis.legend(fontsize="small")

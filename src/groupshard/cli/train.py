@@ -37,7 +37,7 @@ PRESETS = {
 CHECKPOINT = "checkpoint"
 ZERO_CHECKPOINT = "zero.pt"  # inside CHECKPOINT: the --zero run's plain torch.save file
 # identity keys that older checkpoints lack, with the value every run then had
-IDENTITY_BEFORE_RECORDED = {"precision": "fp32", "grad_accum": 1}
+IDENTITY_BEFORE_RECORDED = {"precision": "fp32", "grad_accum": 1, "freeze_embeddings_until": 0}
 # --precision: the dtype units gather and compute in (gradients reduce in fp32 either way)
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -67,6 +67,7 @@ class TrainConfig:
     init: str = "meta"  # "meta": built on the meta device, initialized by gs.shard; "full"
     loss_scale: float = 2.0**16  # fp16: the scaler's initial scale (a checkpoint's on resume)
     replicate: int = 1  # > 1: hybrid sharding, this many replicas of world / replicate shards
+    freeze_embeddings_until: int = 0  # embeddings frozen before this step, then a group (0: off)
 
     def identity(self) -> dict[str, Any]:
         """What a checkpoint must share with the run that resumes it."""
@@ -76,6 +77,7 @@ class TrainConfig:
             "zero": self.zero,
             "precision": self.precision,
             "grad_accum": self.grad_accum,
+            "freeze_embeddings_until": self.freeze_embeddings_until,
         }
 
 
@@ -147,10 +149,16 @@ def hybrid_mesh(replicas: int, device: torch.device) -> DeviceMesh | None:
     return init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIM_NAMES)
 
 
-class Run:
-    """A worker's model, optimizer and data, built from the config."""
+EMBEDDINGS = ("wte.weight", "wpe.weight")  # wte's is lm_head's too (tied)
 
-    def __init__(self, config: TrainConfig, ranks: comm.Ranks, device: torch.device) -> None:
+
+class Run:
+    """A worker's model, optimizer and data, built from the config; ``start``: the step it
+    resumes from (whether the embeddings are trained yet, --freeze-embeddings-until)."""
+
+    def __init__(
+        self, config: TrainConfig, ranks: comm.Ranks, device: torch.device, start: int = 0
+    ) -> None:
         self.config, self.ranks, self.device = config, ranks, device
         self.model_config = PRESETS[config.model]
         train_data, val_data = corpus.split(corpus.load_corpus(config.data))
@@ -164,8 +172,18 @@ class Run:
             model = GPT(self.model_config).to(device)
             materialize = {}
         self.total_params = sum(p.numel() for p in model.parameters())
-        groups = with_exclusions(config.optimizer, gs.decay_groups(model, config.weight_decay))
+        self.embeddings_frozen = config.freeze_embeddings_until > start
+        for name in EMBEDDINGS:
+            model.get_parameter(name).requires_grad_(not self.embeddings_frozen)
+        names = {id(p): n for n, p in model.named_parameters()}
+        groups = gs.decay_groups(model, config.weight_decay)
+        # by name, to name the same parameters after gs.shard (--freeze-embeddings-until)
+        self.group_params = [[names[id(p)] for p in g["params"] if names[id(p)] not in EMBEDDINGS]
+                             for g in groups]  # fmt: skip
         self.group_names = ["decay", "no_decay"]
+        if config.freeze_embeddings_until:
+            groups = self._groups(model, with_embeddings=not self.embeddings_frozen)
+        groups = with_exclusions(config.optimizer, groups)
         optimizer_class, kwargs = optimizer_spec(config.optimizer, config.lr)
         if config.zero:
             self.model = DDP(model)
@@ -202,6 +220,30 @@ class Run:
         # the LR schedule's length: the first start's --steps, kept by its checkpoints, so a
         # run resumed with more --steps continues the schedule (then holds its final LR)
         self.schedule_steps = config.steps
+
+    def _groups(self, model: torch.nn.Module, with_embeddings: bool) -> list[dict[str, Any]]:
+        """decay / no_decay, then the embeddings in a group of their own (decayed) once they
+        train: the groups of --freeze-embeddings-until, from the model's own parameters."""
+        groups = [
+            {"params": [model.get_parameter(n) for n in names], "weight_decay": decay}
+            for names, decay in zip(self.group_params, (self.config.weight_decay, 0.0), strict=True)
+        ]
+        self.group_names = ["decay", "no_decay"]
+        if with_embeddings:
+            embeddings = [model.get_parameter(n) for n in EMBEDDINGS]
+            groups.append({"params": embeddings, "weight_decay": self.config.weight_decay})
+            self.group_names.append("embeddings")
+        return groups
+
+    def unfreeze_embeddings(self) -> None:
+        """--freeze-embeddings-until: from this step on the embeddings train, in a group of
+        their own (gs.regroup: the other groups keep their optimizer state)."""
+        assert self.sharded is not None
+        groups = with_exclusions(self.config.optimizer, self._groups(self.sharded, True))
+        gs.regroup(self.sharded, self.optimizer, groups)
+        self.embeddings_frozen = False
+        for group in self.optimizer.param_groups:  # every group starts from --lr
+            group["base_lr"] = self.config.lr
 
     @property
     def sharded(self) -> gs.ShardedModule | None:
@@ -454,8 +496,13 @@ def train(
         if torch.cuda.is_available()
         else torch.device("cpu")
     )
-    run = Run(config, ranks, device)
     out = Path(config.out)
+    resumed = (  # --freeze-embeddings-until: whether the checkpoint's groups have them
+        int(gs.checkpoint.read_extra(out / CHECKPOINT)["step"])
+        if config.resume and config.freeze_embeddings_until
+        else 0
+    )
+    run = Run(config, ranks, device, start=resumed)
     start = run.load() if config.resume else 0
     if ranks.rank == 0:  # rows past the checkpoint (all, without one) are logged again
         report.keep_rows_up_to(out, start)
@@ -471,6 +518,8 @@ def train(
             if _agreed(stop.requested, ranks):
                 status = "interrupted"
                 break
+            if run.embeddings_frozen and step >= config.freeze_embeddings_until:
+                run.unfreeze_embeddings()
             row, problem = _step(run, step, tokens_per_step, eval_every)
             if ranks.rank == 0:
                 _log(out, row)
