@@ -27,6 +27,11 @@ OPTIMIZERS: dict[str, Callable[[list[dict[str, Any]]], torch.optim.Optimizer]] =
     "adamw": lambda groups: torch.optim.AdamW(groups, lr=3e-3),
     "lamb": lambda groups: gs.optim.LAMB(groups, lr=3e-3),
 }
+LAYERWISE: dict[str, Callable[[list[dict[str, Any]]], torch.optim.Optimizer]] = {
+    "lars": lambda groups: gs.optim.LARS(groups, lr=3e-2),
+    "larc": lambda groups: gs.optim.LARC(torch.optim.SGD(groups, lr=3e-2, momentum=0.9)),
+    "agc": lambda groups: gs.optim.AGC(torch.optim.AdamW(groups, lr=3e-3)),
+}
 
 
 def _model() -> nn.Module:
@@ -117,8 +122,9 @@ def _regroup_case(
     names = [n for n, _ in reference.named_parameters()]
     sharded = gs.shard(model, _as_dicts(_phase_groups(names, 0), model), unit=Block,
                        strategy=strategy, mesh=mesh)  # fmt: skip
-    opt = OPTIMIZERS[optimizer](sharded.optimizer_groups())
-    reference_opt = OPTIMIZERS[optimizer](_as_dicts(_phase_groups(names, 0), reference))
+    make = {**OPTIMIZERS, **LAYERWISE}[optimizer]
+    opt = make(sharded.optimizer_groups())
+    reference_opt = make(_as_dicts(_phase_groups(names, 0), reference))
     phase_at = {UNFREEZE_AT: 1, MOVE_AT: 2, FREEZE_AT: 3}
     worst = 0.0
     for step, (inputs, targets) in enumerate(global_batches(STEPS, world_size)):
@@ -157,6 +163,18 @@ def test_regroup_under_hybrid_sharding(run_ranks) -> None:
     differences = run_ranks(4, _hybrid_regroup_cases, timeout=240)
     for case, difference in differences[0].items():
         assert difference < 1e-5, (case, difference)
+
+
+def test_regroup_with_layerwise_optimizers(run_ranks) -> None:
+    """LARS, and the LARC and AGC wrappers (their inner optimizer's groups and state),
+    through the same changes at world 2."""
+    differences = run_ranks(2, _layerwise_regroup_cases, timeout=240)
+    for case, difference in differences[0].items():
+        assert difference < 1e-5, (case, difference)
+
+
+def _layerwise_regroup_cases(rank: int, world_size: int) -> dict[str, float]:
+    return {name: _regroup_case(rank, world_size, "full", name) for name in LAYERWISE}
 
 
 def _hybrid_regroup_cases(rank: int, world_size: int) -> dict[str, float]:
