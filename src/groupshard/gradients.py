@@ -60,6 +60,7 @@ class SkippedSegments:
     grad: weakref.ref[torch.Tensor]
     whole: bool
     ranges: tuple[tuple[int, int], ...]
+    params: tuple[int, ...] = ()  # the buffer's parameters without a gradient (indices)
 
     def applies_to(self, shard: torch.Tensor) -> bool:
         return shard.grad is not None and self.grad() is shard.grad
@@ -258,7 +259,8 @@ class StorageGradients:
                     if not had[piece.param_index]
                 )
                 if ranges or not any(had):
-                    record = SkippedSegments(weakref.ref(shard.grad), not any(had), ranges)
+                    without = tuple(i for i, h in enumerate(had) if not h)
+                    record = SkippedSegments(weakref.ref(shard.grad), not any(had), ranges, without)
             setattr(shard, SKIP_ATTR, record)
 
 
@@ -326,6 +328,7 @@ def _refuse_unreduced_gradients(optimizer: torch.optim.Optimizer) -> None:
 # A wrapper (gs.optim.LARC) steps its inner optimizer inside its own step: the outer
 # step holds the shard, the inner one leaves it to the outer.
 _held: dict[int, tuple[int, Callable[[], None]]] = {}
+_skipped_in_step: dict[int, SkippedSegments] = {}  # id(shard) -> its record, while held
 _optimizer_hooks: list[Any] = []
 
 
@@ -348,6 +351,8 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
                 if record is not None:
                     keep = preserve_segments(shard, optimizer.state[shard], record.ranges)
             _held[id(shard)] = (id(optimizer), _restorer(shard, grad, shard.grad, keep))
+            if record is not None:
+                _skipped_in_step[id(shard)] = record
 
 
 def _restorer(
@@ -374,7 +379,19 @@ def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
         return
     mine = [key for key, (owner, _) in _held.items() if owner == id(optimizer)]
     for key in mine:
+        _skipped_in_step.pop(key, None)
         _held.pop(key)[1]()
+
+
+def without_grad_in_step(shard: torch.Tensor) -> tuple[int, ...]:
+    """During an optimizer step over ``shard``: the indices (in its flat buffer) of the
+    parameters that had no gradient in the backwards since the last step (all of them when
+    ``shard.grad`` is None), so an optimizer of whole parameters leaves them alone."""
+    if shard.grad is None:
+        segments = segments_of(shard)
+        return tuple(range(len(segments.buffer.params))) if segments is not None else ()
+    record = _skipped_in_step.get(id(shard))
+    return record.params if record is not None else ()
 
 
 def register_optimizer_hooks() -> None:

@@ -20,7 +20,7 @@ Buffers of one exchange, per rank ``me``:
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,7 +91,8 @@ class OwnerExchange:
 
     Pure arithmetic on the segment maps: every rank builds the same parameters in the
     same order (param groups, then sharded parameters, then their slots) and owners.
-    ``loads`` (cost per rank already owned) continues an earlier assignment.
+    ``owners`` fixes the owner of parameters (by FQN) assigned before, e.g. whose state
+    lives on their owner; the others are assigned around them.
     """
 
     def __init__(
@@ -99,7 +100,7 @@ class OwnerExchange:
         ranks: comm.Ranks,
         params: list[tuple[int, torch.Tensor]],
         cost: Cost,
-        loads: Sequence[float] | None = None,
+        owners: Mapping[str, int] | None = None,
     ) -> None:
         self.ranks = ranks
         self.params = [param for _, param in params]
@@ -128,10 +129,15 @@ class OwnerExchange:
                 )
                 start = max(slot.offset, ranges[me][0]) - ranges[me][0]
                 found.append((slot.fqn, group, position, shape, work, numels, start))
-        owners = assign_owners([f[4] for f in found], size, loads)
-        self.tensors = [
-            OwnedParam(*f[:5], owner, *f[5:]) for f, owner in zip(found, owners, strict=True)
-        ]
+        fixed = dict(owners or {})
+        loads = [0.0] * size
+        for f in found:
+            if f[0] in fixed:
+                loads[fixed[f[0]]] += f[4]
+        free = [f for f in found if f[0] not in fixed]
+        chosen = assign_owners([f[4] for f in free], size, loads)
+        fixed.update(zip([f[0] for f in free], chosen, strict=True))
+        self.tensors = [OwnedParam(*f[:5], fixed[f[0]], *f[5:]) for f in found]
         self._plan_buffers()
         self.checked = False
 
