@@ -332,7 +332,43 @@ _skipped_in_step: dict[int, SkippedSegments] = {}  # id(shard) -> its record, wh
 _optimizer_hooks: list[Any] = []
 
 
+SHAPE_DEPENDENT = frozenset(
+    {"Adafactor", "AdaFactor", "Muon", "AdaMuon", "Shampoo", "ScalableShampoo", "SOAP",
+     "DistributedShampoo", "Lamb", "LAMB", "LARS", "Lars"}
+)  # fmt: skip
+"""Names of optimizer classes (torch's, pytorch-optimizer's, ...) whose update of a parameter
+depends on its shape or whole-tensor statistics: wrong on a 1-D flat shard."""
+SHARDS_ACCEPTED_ATTR = "groupshard_accepts_shards"
+"""Set on an optimizer instance handed shards on purpose (``"whole": False`` groups)."""
+
+
+def _refuse_shape_dependent(optimizer: torch.optim.Optimizer) -> None:
+    """A shape-dependent optimizer (``SHAPE_DEPENDENT``, not groupshard's own) must not step
+    flat shards: a TypeError naming gs.optim.WholeParamOptimizer, on every rank alike."""
+    cls = type(optimizer)
+    if (
+        cls.__name__ not in SHAPE_DEPENDENT
+        or cls.__module__.startswith("groupshard.")
+        or getattr(optimizer, SHARDS_ACCEPTED_ATTR, False)
+    ):
+        return
+    for group in optimizer.param_groups:
+        for shard in group["params"]:
+            segments = segments_of(shard)
+            if segments is not None:
+                raise TypeError(
+                    f"{cls.__module__}.{cls.__qualname__} computes a parameter's update from "
+                    "its shape or whole-tensor statistics, but it was given groupshard's flat "
+                    f"1-D shards (one holds {list(segments.fqns[:3])}), on which it would "
+                    "silently do something else. Step whole parameters instead: "
+                    f"gs.optim.WholeParamOptimizer(model.optimizer_groups(), {cls.__name__}, "
+                    "**its arguments) gives each parameter to one owner rank and equals "
+                    f"{cls.__name__} on one process."
+                )
+
+
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    _refuse_shape_dependent(optimizer)
     if _accumulating:
         _refuse_unreduced_gradients(optimizer)
     # A step of this optimizer that raised left its holds behind: settle them first.

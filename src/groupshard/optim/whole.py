@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from groupshard import comm, flatten
-from groupshard.gradients import without_grad_in_step
+from groupshard.gradients import SHARDS_ACCEPTED_ATTR, without_grad_in_step
 from groupshard.optim.common import evaluate_closure
 from groupshard.optim.owners import OwnerExchange, Ownership, by_process_group
 from groupshard.segments import segments_of
@@ -237,7 +237,7 @@ class WholeParamOptimizer(torch.optim.Optimizer):
             self._whole_optimizer = self.optimizer_class(whole_groups, **self.class_defaults)
             self._shard_optimizer = self.optimizer_class(shard_groups, **self.class_defaults)
             self._shard_optimizer.state = self.state
-            self._shard_optimizer.groupshard_accepts_shards = True  # type: ignore[attr-defined]
+            setattr(self._shard_optimizer, SHARDS_ACCEPTED_ATTR, True)  # "whole": False
             return
         assert self._shard_optimizer is not None
         for inner, groups in (
@@ -284,6 +284,17 @@ class WholeParamOptimizer(torch.optim.Optimizer):
                     checked.add(id(segments.ranks.group))
                     _check_same(self._signature(), segments.ranks)
         self._checked = True
+
+    def _keep_group_state(self) -> None:
+        """Group entries the inner optimizer changed in its step (pytorch-optimizer keeps a
+        ``step`` count in each group) into ours, so state dicts and checkpoints have them."""
+        assert self._whole_optimizer is not None and self._shard_optimizer is not None
+        for group, whole, shard in zip(
+            self.param_groups, self._whole_optimizer.param_groups,
+            self._shard_optimizer.param_groups, strict=True,
+        ):  # fmt: skip
+            inner = whole if group["whole"] else shard
+            group.update({k: v for k, v in inner.items() if k != "params"})
 
     def _sync_hyperparameters(self) -> None:
         """The groups' current hyperparameters (an LR scheduler edits ours) into the
@@ -342,6 +353,7 @@ class WholeParamOptimizer(torch.optim.Optimizer):
             for index in exchange.owned:
                 if index not in exchange.solo:
                     self._wholes[exchange.tensors[index].fqn].grad = None
+        self._keep_group_state()
         return loss
 
     def _without_grad(self) -> set[str]:
@@ -447,9 +459,9 @@ class WholeParamOptimizer(torch.optim.Optimizer):
                     per_fqn.setdefault(fqn, state)
         return {fqn: state for fqn, state in per_fqn.items() if state}
 
-    def load_fqn_state(self, per_fqn: Mapping[str, Mapping[str, Any] | None]) -> None:
-        """Each rank takes the state of the whole parameters it steps and its slices of
-        the ``"whole": False`` shards' state, from every parameter's state (no collective)."""
+    def load_owned_state(self, per_fqn: Mapping[str, Mapping[str, Any] | None]) -> None:
+        """The state of the whole parameters this rank steps, from ``per_fqn`` (placed as
+        torch's ``load_state_dict`` places state); none where it has none."""
         assert self._whole_optimizer is not None
         for fqn, (whole, _, _) in self.owned_states().items():
             self._whole_optimizer.state.pop(whole, None)
@@ -458,6 +470,11 @@ class WholeParamOptimizer(torch.optim.Optimizer):
                 self._whole_optimizer.state[whole] = {
                     key: _placed(value, whole, key) for key, value in entry.items()
                 }
+
+    def load_fqn_state(self, per_fqn: Mapping[str, Mapping[str, Any] | None]) -> None:
+        """Each rank takes the state of the whole parameters it steps and its slices of
+        the ``"whole": False`` shards' state, from every parameter's state (no collective)."""
+        self.load_owned_state(per_fqn)
         for group in self.param_groups:
             if group["whole"]:
                 continue
