@@ -207,6 +207,12 @@ def _check(args: argparse.Namespace) -> TrainConfig:
             "--init meta needs groupshard's sharding; --zero (DDP + the ZeRO-1 optimizer) "
             "builds the whole model on every rank"
         )
+    if args.zero and args.optimizer == "adafactor":
+        raise CommandError(
+            "--optimizer adafactor steps whole parameters on owner ranks "
+            "(gs.optim.WholeParamOptimizer over groupshard's shards); --zero's ZeRO-1 optimizer "
+            "would hand Adafactor flat slices: leave out --zero"
+        )
     if args.loss_scale is not None and args.precision != "fp16":
         raise CommandError(f"--loss-scale needs --precision fp16, got --precision {args.precision}")
     if args.loss_scale is not None and not args.loss_scale > 0:
