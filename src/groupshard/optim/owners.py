@@ -49,6 +49,28 @@ def assign_owners(
     return owners
 
 
+def assign_owners_near(
+    costs: Sequence[float],
+    numels: Sequence[Sequence[int]],
+    world_size: int,
+    loads: Sequence[float] | None = None,
+    slack: float = 1.05,
+) -> list[int]:
+    """As ``assign_owners``, but each item goes to the rank holding most of it (``numels[i]``:
+    its elements per rank) while that rank stays within ``slack`` times the mean load,
+    else to the least loaded rank: a parameter owned where it lies needs no exchange."""
+    loads = list(loads) if loads else [0.0] * world_size
+    target = slack * (sum(loads) + sum(costs)) / world_size
+    owners = [0] * len(costs)
+    for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        holder = max(range(world_size), key=lambda r: (numels[index][r], -loads[r], -r))
+        least = min(range(world_size), key=lambda r: (loads[r], r))
+        rank = holder if loads[holder] + costs[index] <= target else least
+        owners[index] = rank
+        loads[rank] += costs[index]
+    return owners
+
+
 @dataclass(frozen=True)
 class OwnedParam:
     """One original parameter held in sharded parameters, and where its pieces lie."""
@@ -92,7 +114,8 @@ class OwnerExchange:
     Pure arithmetic on the segment maps: every rank builds the same parameters in the
     same order (param groups, then sharded parameters, then their slots) and owners.
     ``owners`` fixes the owner of parameters (by FQN) assigned before, e.g. whose state
-    lives on their owner; the others are assigned around them.
+    lives on their owner; the others are assigned around them, with ``near`` to the rank
+    holding most of each where the balance allows (``assign_owners_near``).
     """
 
     def __init__(
@@ -101,6 +124,7 @@ class OwnerExchange:
         params: list[tuple[int, torch.Tensor]],
         cost: Cost,
         owners: Mapping[str, int] | None = None,
+        near: bool = False,
     ) -> None:
         self.ranks = ranks
         self.params = [param for _, param in params]
@@ -135,26 +159,37 @@ class OwnerExchange:
             if f[0] in fixed:
                 loads[fixed[f[0]]] += f[4]
         free = [f for f in found if f[0] not in fixed]
-        chosen = assign_owners([f[4] for f in free], size, loads)
+        if near:
+            chosen = assign_owners_near([f[4] for f in free], [f[5] for f in free], size, loads)
+        else:
+            chosen = assign_owners([f[4] for f in free], size, loads)
         fixed.update(zip([f[0] for f in free], chosen, strict=True))
         self.tensors = [OwnedParam(*f[:5], fixed[f[0]], *f[5:]) for f in found]
         self._plan_buffers()
         self.checked = False
 
     def _plan_buffers(self) -> None:
+        """The buffers' layout. A tensor its owner holds whole ("solo" there) travels not
+        at all: only the others' pieces are in the buffers."""
         size, me = self.ranks.size, self.ranks.rank
+        moved = [t.numels[t.owner] != t.numel for t in self.tensors]
         self.send_order = [  # indices of the tensors whose piece this rank sends, in order
             index
             for rank in range(size)
             for index, t in enumerate(self.tensors)
-            if t.owner == rank and t.numels[me]
+            if t.owner == rank and t.numels[me] and moved[index]
         ]
         self.send_splits = [
-            sum(t.numels[me] for t in self.tensors if t.owner == rank) for rank in range(size)
+            sum(
+                t.numels[me] for t, m in zip(self.tensors, moved, strict=True) if m and t.owner == r
+            )
+            for r in range(size)
         ]
         self.owned = [index for index, t in enumerate(self.tensors) if t.owner == me]
+        self.solo = {index for index in self.owned if not moved[index]}
         self.recv_splits = [
-            sum(self.tensors[i].numels[rank] for i in self.owned) for rank in range(size)
+            sum(self.tensors[i].numels[rank] for i in self.owned if moved[i])
+            for rank in range(size)
         ]
         # per owned tensor, its pieces: (source rank, offset in that source's chunk, numel)
         self.recv_places: list[list[tuple[int, int, int]]] = [[] for _ in self.owned]
@@ -162,11 +197,9 @@ class OwnerExchange:
             offset = 0
             for places, index in zip(self.recv_places, self.owned, strict=True):
                 numel = self.tensors[index].numels[rank]
-                if numel:
+                if numel and moved[index]:
                     places.append((rank, offset, numel))
-                offset += numel
-        # owned and held whole here ("solo"): no other rank holds a piece
-        self.solo = {i for i in self.owned if self.tensors[i].numels[me] == self.tensors[i].numel}
+                    offset += numel
 
     # --- the layout --------------------------------------------------------------------
 

@@ -168,7 +168,7 @@ class WholeParamOptimizer(torch.optim.Optimizer):
             for index, param in found:
                 by_dtype.setdefault(param.dtype, []).append((index, param))
             for part in by_dtype.values():
-                exchange = OwnerExchange(ranks, part, self._group_cost, self._owners)
+                exchange = OwnerExchange(ranks, part, self._group_cost, self._owners, near=True)
                 self._owners.update((t.fqn, t.owner) for t in exchange.tensors)
                 exchanges.append(exchange)
         self._exchanges = exchanges
