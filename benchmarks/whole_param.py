@@ -55,10 +55,16 @@ TARGETS = {2: 0.6, 4: 0.35}  # optimizer step / DDP's, the issue's
 BALANCE_TARGET = 1.1
 
 
+SOAP_FREQUENCY = 10  # its precondition_frequency (default)
+
+
 def soap_cost(shape: tuple[int, ...]) -> float:
-    """SOAP's work with ``max_precondition_dim``: an eigendecomposition per preconditioned
-    dimension (``d ** 3``) plus the element-wise update."""
-    return float(sum(d**3 for d in shape if d <= SOAP_DIM) + math.prod(shape))
+    """SOAP's work per step with ``max_precondition_dim``: projecting the gradient and the
+    update onto each preconditioned dimension's basis (``numel * d``), one QR per such
+    dimension every ``precondition_frequency`` steps (``d ** 3``), the element-wise rest."""
+    dims = [d for d in shape if d <= SOAP_DIM] if len(shape) > 1 else []
+    numel = math.prod(shape)
+    return float(numel * (1 + 2 * sum(dims)) + sum(d**3 for d in dims) / SOAP_FREQUENCY)
 
 
 def optimizer_classes() -> dict[str, tuple[type, dict[str, Any], Any]]:
@@ -66,7 +72,12 @@ def optimizer_classes() -> dict[str, tuple[type, dict[str, Any], Any]]:
 
     return {
         "Adafactor": (torch.optim.Adafactor, {"lr": 1e-2}, None),
-        "SOAP": (SOAP, {"lr": 3e-3, "max_precondition_dim": SOAP_DIM}, soap_cost),
+        "SOAP": (
+            SOAP,
+            {"lr": 3e-3, "max_precondition_dim": SOAP_DIM,
+             "precondition_frequency": SOAP_FREQUENCY},
+            soap_cost,
+        ),
     }
 
 

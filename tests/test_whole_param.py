@@ -18,6 +18,8 @@ from torch import nn
 import groupshard as gs
 from test_muon import OddBlock, OddNet, full_gradients, mismatches, set_shard_grads, straddling
 
+from helpers import UNITS, EdgeGPT
+
 CASES: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "adafactor": (torch.optim.Adafactor, {"lr": 1e-2}),
     "soap": (SOAP, {"lr": 3e-3, "precondition_frequency": 2}),
@@ -103,7 +105,32 @@ def direct_case(rank: int, world_size: int, steps: int = 3) -> dict[str, Any]:
             "straddling": straddling(sharded, range(len(sharded.optimizer_groups()))),
             "balance": [report.balance for report in ours[0].ownership()],
         }
+    results["tied and frozen"] = edge_case(steps)
     return results
+
+
+def edge_case(steps: int) -> dict[str, Any]:
+    """Adafactor on a GPT with a tied embedding and head, a frozen parameter, a unit of
+    biases only and 0-d and 1-element parameters."""
+    torch.manual_seed(0)
+    model = EdgeGPT()
+    reference = copy.deepcopy(model)
+    sharded = gs.shard(model, gs.decay_groups(model, 0.1), unit=UNITS)
+    (ours,) = optimizers_for(sharded.optimizer_groups(), "adafactor", whole=True)
+    (theirs,) = optimizers_for(gs.decay_groups(reference, 0.1), "adafactor", whole=False)
+    for step in range(steps):
+        grads = full_gradients(reference, step)
+        set_shard_grads(sharded, grads)
+        for name, param in reference.named_parameters():
+            param.grad = grads[name].clone() if name in grads else None  # frozen: none
+        step_all([ours])
+        step_all([theirs])
+    return {
+        "different": mismatches(gs.full_state_dict(sharded), reference.state_dict()),
+        "state same": None,
+        "states by name": len(ours.state_dict()["state"]),
+        "straddling": ["not checked"] * 2,
+    }
 
 
 def check_direct(results: dict[str, Any], world_size: int) -> None:
