@@ -49,26 +49,52 @@ def assign_owners(
     return owners
 
 
+def _balance(loads: Sequence[float]) -> float:
+    mean = sum(loads) / len(loads)
+    return max(loads) / mean if mean else 1.0
+
+
+def _near(
+    costs: Sequence[float],
+    numels: Sequence[Sequence[int]],
+    loads: list[float],
+    slack: float,
+) -> tuple[list[int], list[float]]:
+    """Largest first, to the rank holding most of the item while it stays within
+    ``slack`` times the mean load, else to the least loaded rank."""
+    size = len(loads)
+    target = slack * (sum(loads) + sum(costs)) / size
+    owners = [0] * len(costs)
+    for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        holder = max(range(size), key=lambda r: (numels[index][r], -loads[r], -r))
+        least = min(range(size), key=lambda r: (loads[r], r))
+        rank = holder if loads[holder] + costs[index] <= target else least
+        owners[index] = rank
+        loads[rank] += costs[index]
+    return owners, loads
+
+
 def assign_owners_near(
     costs: Sequence[float],
     numels: Sequence[Sequence[int]],
     world_size: int,
     loads: Sequence[float] | None = None,
-    slack: float = 1.05,
 ) -> list[int]:
     """As ``assign_owners``, but each item goes to the rank holding most of it (``numels[i]``:
-    its elements per rank) while that rank stays within ``slack`` times the mean load,
-    else to the least loaded rank: a parameter owned where it lies needs no exchange."""
-    loads = list(loads) if loads else [0.0] * world_size
-    target = slack * (sum(loads) + sum(costs)) / world_size
-    owners = [0] * len(costs)
-    for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        holder = max(range(world_size), key=lambda r: (numels[index][r], -loads[r], -r))
-        least = min(range(world_size), key=lambda r: (loads[r], r))
-        rank = holder if loads[holder] + costs[index] <= target else least
-        owners[index] = rank
-        loads[rank] += costs[index]
-    return owners
+    its elements per rank) where the balance allows: a parameter owned where it lies needs
+    no exchange. The loosest slack over the mean load (1.05 down to 1.0) whose balance
+    (max / mean) is within 1.05 or ``assign_owners``'s, else ``assign_owners``'s."""
+    start = list(loads) if loads else [0.0] * world_size
+    plain = assign_owners(costs, world_size, start)
+    plain_loads = list(start)
+    for index, rank in enumerate(plain):
+        plain_loads[rank] += costs[index]
+    limit = max(1.05, _balance(plain_loads))
+    for slack in (1.05, 1.03, 1.01, 1.0):
+        owners, ended = _near(costs, numels, list(start), slack)
+        if _balance(ended) <= limit:
+            return owners
+    return plain
 
 
 @dataclass(frozen=True)
