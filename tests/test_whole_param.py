@@ -111,7 +111,7 @@ def direct_case(rank: int, world_size: int, steps: int = 3) -> dict[str, Any]:
 
 def edge_case(steps: int) -> dict[str, Any]:
     """Adafactor on a GPT with a tied embedding and head, a frozen parameter, a unit of
-    biases only and 0-d and 1-element parameters."""
+    biases only and 0-d and 1-element parameters; its weights loaded anew between steps."""
     torch.manual_seed(0)
     model = EdgeGPT()
     reference = copy.deepcopy(model)
@@ -119,6 +119,10 @@ def edge_case(steps: int) -> dict[str, Any]:
     (ours,) = optimizers_for(sharded.optimizer_groups(), "adafactor", whole=True)
     (theirs,) = optimizers_for(gs.decay_groups(reference, 0.1), "adafactor", whole=False)
     for step in range(steps):
+        if step == 1:  # shards written between steps: the owners must see the new values
+            edited = {k: v + 0.01 * (k.count(".") + 1) for k, v in reference.state_dict().items()}
+            reference.load_state_dict(edited)
+            gs.load_full_state_dict(sharded, edited)
         grads = full_gradients(reference, step)
         set_shard_grads(sharded, grads)
         for name, param in reference.named_parameters():

@@ -6,8 +6,9 @@ moments, Shampoo's and SOAP's preconditioners, Muon's Newton-Schulz) cannot step
 flat shard. Here every original parameter of the sharded groups has one owner rank
 (``optim.owners``: cost-balanced, the same on every rank). Per step and process group:
 
-1. one all-to-all sends each rank's pieces of the gradients and values to their owners,
-   while the groups with ``"whole": False`` step on their shards;
+1. one all-to-all sends each rank's pieces of the gradients to their owners (and of the
+   values, when a shard was written since the last step: a load, an edit), while the
+   groups with ``"whole": False`` step on their shards;
 2. each owner assembles whole gradients and values, in the original shapes, and steps
    them with an unmodified ``optimizer_class`` instance (one for all its parameters, so
    per-group counters and foreach kernels behave as on one process);
@@ -131,6 +132,8 @@ class WholeParamOptimizer(torch.optim.Optimizer):
         self._whole_optimizer: torch.optim.Optimizer | None = None
         self._shard_optimizer: torch.optim.Optimizer | None = None
         self._checked = False
+        # per exchange, its shards' version counters when the owners' values last matched
+        self._synced: dict[int, list[int]] = {}
         super().__init__(params, {**probe.defaults, "whole": True})
         self._building = False
         self._rebuild()
@@ -172,6 +175,7 @@ class WholeParamOptimizer(torch.optim.Optimizer):
                 self._owners.update((t.fqn, t.owner) for t in exchange.tensors)
                 exchanges.append(exchange)
         self._exchanges = exchanges
+        self._synced = {}  # new exchanges: their owners' values come with the next step
         per_group = self._whole_tensors()
         self._build_inner(per_group)
 
@@ -252,10 +256,10 @@ class WholeParamOptimizer(torch.optim.Optimizer):
 
     def ownership(self) -> list[Ownership]:
         """Per process group and dtype: each parameter's owner, the cost per rank and the
-        elements this rank moves per step (gradients and values there, values back)."""
+        elements this rank moves per step (gradients there, values back; the values there
+        too on a step after a shard was written, counted out here)."""
         return [
-            exchange.ownership(exchange.params[0].element_size(), payloads=2)
-            for exchange in self._exchanges
+            exchange.ownership(exchange.params[0].element_size()) for exchange in self._exchanges
         ]
 
     # --- step -------------------------------------------------------------------------
@@ -319,10 +323,12 @@ class WholeParamOptimizer(torch.optim.Optimizer):
         assert self._whole_optimizer is not None and self._shard_optimizer is not None
         started = []
         for exchange in self._exchanges:
-            grads = [param.grad for param in exchange.params]
-            values = [param.detach() for param in exchange.params]
-            send = exchange.pack([grads, values], exchange.params[0].dtype)
-            started.append(exchange.to_owners(send, payloads=2))
+            payloads = [[param.grad for param in exchange.params]]
+            if self._values_changed(exchange):
+                payloads.append([param.detach() for param in exchange.params])
+            send = exchange.pack(payloads, exchange.params[0].dtype)
+            received, pending = exchange.to_owners(send, len(payloads))
+            started.append((received, pending, len(payloads)))
         if any(not g["whole"] and g["params"] for g in self.param_groups):
             self._shard_optimizer.step()  # while the pieces travel to their owners
         without_grad = self._without_grad()
@@ -332,9 +338,9 @@ class WholeParamOptimizer(torch.optim.Optimizer):
                 whole.grad = None
             else:
                 whole.grad = grad.view(-1)[begin : begin + whole.numel()].view(whole.shape)
-        for exchange, (received, pending) in zip(self._exchanges, started, strict=True):
+        for exchange, (received, pending, payloads) in zip(self._exchanges, started, strict=True):
             pending.wait()
-            self._assemble(exchange, received, without_grad)
+            self._assemble(exchange, received, without_grad, payloads)
         self._whole_optimizer.step()
         returns = [self._send_back(exchange) for exchange in self._exchanges]
         for exchange, (into, pending) in zip(self._exchanges, returns, strict=True):
@@ -347,6 +353,7 @@ class WholeParamOptimizer(torch.optim.Optimizer):
                     results.append(piece)
             if targets:
                 torch._foreach_copy_(targets, results)
+            self._synced[id(exchange)] = [param._version for param in exchange.params]
         for whole, *_ in self._local:
             whole.grad = None
         for exchange in self._exchanges:
@@ -368,21 +375,38 @@ class WholeParamOptimizer(torch.optim.Optimizer):
                     found.update(segments.fqns[i] for i in without_grad_in_step(param))
         return found
 
+    def _values_changed(self, exchange: OwnerExchange) -> bool:
+        """Whether the owners' whole values may differ from the shards, on any rank (one
+        all-reduce of a flag): before the first step, and after anything wrote a shard in
+        place since the last one (a load, another optimizer over the same storage, an edit;
+        the tensors' version counters tell, which writes through ``.data`` bypass)."""
+        synced = self._synced.get(id(exchange))
+        changed = synced != [param._version for param in exchange.params]
+        flag = torch.tensor([float(changed)], device=exchange.params[0].device)
+        comm.all_reduce_max(flag, exchange.ranks)
+        return bool(flag.item())
+
     def _assemble(
-        self, exchange: OwnerExchange, received: torch.Tensor, without_grad: set[str]
+        self,
+        exchange: OwnerExchange,
+        received: torch.Tensor,
+        without_grad: set[str],
+        payloads: int,
     ) -> None:
-        """The whole values and gradients of the parameters this rank owns, from the pieces."""
+        """The whole gradients of the parameters this rank owns from the pieces, and their
+        values where they came too (``payloads`` 2); else the owner's values are current."""
         for position, index in enumerate(exchange.owned):
             if index in exchange.solo:
                 continue
             t = exchange.tensors[index]
             whole = self._wholes[t.fqn]
-            values = exchange.received_pieces(received, position, 1, 2)
-            torch.cat(values, out=whole.view(-1))
+            if payloads == 2:
+                values = exchange.received_pieces(received, position, 1, 2)
+                torch.cat(values, out=whole.view(-1))
             if t.fqn in without_grad:
                 whole.grad = None
                 continue
-            grads = exchange.received_pieces(received, position, 0, 2)
+            grads = exchange.received_pieces(received, position, 0, payloads)
             grad = grads[0] if len(grads) == 1 else torch.cat(grads)
             whole.grad = grad.view(whole.shape)
 
