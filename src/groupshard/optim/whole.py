@@ -185,7 +185,8 @@ class WholeParamOptimizer(torch.optim.Optimizer):
     def _whole_tensors(self) -> list[list[torch.Tensor]]:
         """Per group, the whole tensors this rank steps: views of shards it holds whole
         (a view: the step writes the shard), new tensors for parameters it owns and others
-        hold pieces of (filled each step), plain tensors themselves."""
+        hold pieces of (filled by the exchange, kept between steps), plain tensors
+        themselves."""
         owned = {
             t.fqn: (exchange, index)
             for exchange in self._exchanges
