@@ -25,6 +25,7 @@ CASES: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "soap": (SOAP, {"lr": 3e-3, "precondition_frequency": 2}),
     "shampoo": (Shampoo, {"lr": 1e-3, "momentum": 0.9}),
     "muon": (torch.optim.Muon, {"lr": 0.02, "weight_decay": 0.1}),
+    "adamw-shards": (torch.optim.AdamW, {"lr": 1e-2}),
 }
 
 
@@ -33,7 +34,10 @@ def groups_for(model: nn.Module, case: str) -> list[dict[str, Any]]:
     and an AdamW group for the rest, stepped by torch.optim.AdamW beside it."""
     if case == "muon":
         return gs.muon_groups(model, {"lr": 0.03}, {"lr": 3e-3, "weight_decay": 0.01})
-    return gs.decay_groups(model, weight_decay=0.1)
+    groups = gs.decay_groups(model, weight_decay=0.1)
+    if case.startswith("adamw"):  # element-wise: its no-decay group may step on shards
+        groups[1]["whole"] = False
+    return groups
 
 
 def optimizers_for(groups: list[dict[str, Any]], case: str, whole: bool) -> list[Any]:
@@ -220,7 +224,7 @@ def test_trained_with_parameters_without_gradient_equals_one_process(run_ranks, 
 def checkpoint_case(rank: int, world_size: int, load: str | None, save: str, steps: range):
     """Load ``load`` (if given), step ``steps`` with the full gradients of those steps, save."""
     results = {}
-    for case in ("adafactor", "soap"):
+    for case in ("adafactor", "soap", "adamw-shards"):
         torch.manual_seed(0)
         model = OddNet()
         sharded = gs.shard(model, groups_for(model, case), unit=OddBlock)
@@ -251,7 +255,7 @@ def round_trip(run_ranks) -> None:
         run_ranks(3, checkpoint_case, None, first, range(2))
         run_ranks(2, checkpoint_case, first, second, range(2, 3))
         checkpoint_case(0, 1, second, third, range(3, 4))
-        for case in ("adafactor", "soap"):
+        for case in ("adafactor", "soap", "adamw-shards"):
             torch.manual_seed(0)
             reference = OddNet()
             (theirs,) = optimizers_for(groups_for(reference, case), case, whole=False)
