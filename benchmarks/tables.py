@@ -547,8 +547,35 @@ def regroup_table(reports: list[Report]) -> Lines:
     return markdown(header, rows)
 
 
+def whole_param_table(reports: list[Report]) -> Lines:
+    """``benchmarks/whole_param.py``: optimizer step (wall and CPU), state per rank, owner
+    balance and distance from DDP, per world size."""
+    header = ["world", "system", "optimizer ms", "CPU ms", "/ DDP (paired)", "CPU / DDP",
+              "state MiB/rank", "state / DDP", "owner balance", "max diff vs DDP"]  # fmt: skip
+    rows = []
+    for report in reports:
+        if report.get("kind") != "whole-param":
+            raise TableError("expects results of benchmarks/whole_param.py")
+        for name, row in report["rows"].items():
+            world = str(report["world_size"])
+            if row["error"]:
+                rows.append([world, name, f"fails: {row['error'][:90]}"] + [DASH] * 7)
+                continue
+            rows.append([
+                world, name, fmt(row["optimizer_ms"], ".1f"), fmt(row["cpu_ms"], ".1f"),
+                with_paired(row.get("ratio_to_ddp"), row.get("ratio_to_ddp_paired")),
+                fmt(row.get("cpu_ratio_to_ddp"), ".2f"),
+                mib(max(row["state_bytes_per_rank"])), fmt(row.get("state_ratio_to_ddp"), ".2f"),
+                fmt(row.get("balance"), ".3f"), fmt(row.get("max_difference_vs_ddp"), ".1e"),
+            ])  # fmt: skip
+    return markdown(header, rows)
+
+
 KINDS: dict[str, Callable[[list[Report]], Lines]] = {
     "regroup": regroup_table,
+
+
+    "whole-param": whole_param_table,
     "before-after": before_after_table,
     "main": main_table,
     "ratios": ratios_table,

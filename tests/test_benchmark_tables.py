@@ -36,6 +36,7 @@ def test_readme_has_tables_for_every_benchmark():
     text = (BENCHMARKS / "README.md").read_text()
     for kind in (
         "main", "ratios", "precision", "overlap", "prefetch", "construction", "muon", "regroup",
+        "whole-param", "hybrid-bytes", "hybrid-model",
     ):
         assert f" {kind} -->" in text, kind
 

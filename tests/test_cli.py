@@ -131,7 +131,13 @@ def test_train_end_to_end(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "options", [["--zero", "--optimizer", "lamb"], ["--optimizer", "lars", "--strategy", "grad_op"]]
+    "options",
+    [
+        ["--zero", "--optimizer", "lamb"],
+        ["--optimizer", "lars", "--strategy", "grad_op"],
+        ["--optimizer", "muon"],
+        ["--optimizer", "adafactor", "--lr", "1e-2"],
+    ],
 )
 def test_other_modes_run(tmp_path, options):
     out = str(tmp_path / "run")

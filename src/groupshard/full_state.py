@@ -206,7 +206,10 @@ def optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
     """
     state = check_optimizer(model, optimizer)
     per_fqn: dict[str, dict[str, Any]] = {}
-    for group in optimizer.param_groups:
+    whole_state = getattr(optimizer, "fqn_state", None)  # gs.optim.WholeParamOptimizer
+    if whole_state is not None:  # state in original shapes, on owner ranks
+        per_fqn = whole_state()
+    for group in optimizer.param_groups if whole_state is None else ():
         for shard in group["params"]:
             segments = segments_of(shard)
             assert segments is not None
@@ -235,11 +238,16 @@ def load_optim_state_dict(
             f"The optimizer state dict has {len(theirs)} param groups of sizes {theirs} but the "
             f"model's groups have sizes {ours}"
         )
+    load_whole = getattr(optimizer, "load_fqn_state", None)  # gs.optim.WholeParamOptimizer
+    whole_entries: dict[str, Any] = {}
     for group, saved_group, resolved in zip(
         optimizer.param_groups, saved, state.groups.groups, strict=True
     ):
         group.update({k: v for k, v in saved_group.items() if k != "params"})
         index_of = dict(zip(resolved.listed, saved_group["params"], strict=True))
+        if load_whole is not None:
+            whole_entries.update((f, state_dict["state"].get(i)) for f, i in index_of.items())
+            continue
         for shard in group["params"]:
             segments = segments_of(shard)
             assert segments is not None
@@ -256,3 +264,5 @@ def load_optim_state_dict(
             optimizer.state[shard] = flatten.shard_state_from(
                 entries, shard, segments.buffer, segments.shard_rank
             )
+    if load_whole is not None:
+        load_whole(whole_entries)

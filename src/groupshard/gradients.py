@@ -61,6 +61,7 @@ class SkippedSegments:
     grad: weakref.ref[torch.Tensor]
     whole: bool
     ranges: tuple[tuple[int, int], ...]
+    params: tuple[int, ...] = ()  # the buffer's parameters without a gradient (indices)
 
     def applies_to(self, shard: torch.Tensor) -> bool:
         return shard.grad is not None and self.grad() is shard.grad
@@ -278,7 +279,8 @@ class StorageGradients:
                     if not had[piece.param_index]
                 )
                 if ranges or not any(had):
-                    record = SkippedSegments(weakref.ref(shard.grad), not any(had), ranges)
+                    without = tuple(i for i, h in enumerate(had) if not h)
+                    record = SkippedSegments(weakref.ref(shard.grad), not any(had), ranges, without)
             setattr(shard, SKIP_ATTR, record)
 
 
@@ -349,10 +351,47 @@ def _refuse_unreduced_gradients(optimizer: torch.optim.Optimizer) -> None:
 # A wrapper (gs.optim.LARC) steps its inner optimizer inside its own step: the outer
 # step holds the shard, the inner one leaves it to the outer.
 _held: dict[int, tuple[int, Callable[[], None]]] = {}
+_skipped_in_step: dict[int, SkippedSegments] = {}  # id(shard) -> its record, while held
 _optimizer_hooks: list[Any] = []
 
 
+SHAPE_DEPENDENT = frozenset(
+    {"Adafactor", "AdaFactor", "Muon", "AdaMuon", "Shampoo", "ScalableShampoo", "SOAP",
+     "DistributedShampoo", "Lamb", "LAMB", "LARS", "Lars"}
+)  # fmt: skip
+"""Names of optimizer classes (torch's, pytorch-optimizer's, ...) whose update of a parameter
+depends on its shape or whole-tensor statistics: wrong on a 1-D flat shard."""
+SHARDS_ACCEPTED_ATTR = "groupshard_accepts_shards"
+"""Set on an optimizer instance handed shards on purpose (``"whole": False`` groups)."""
+
+
+def _refuse_shape_dependent(optimizer: torch.optim.Optimizer) -> None:
+    """A shape-dependent optimizer (``SHAPE_DEPENDENT``, not groupshard's own) must not step
+    flat shards: a TypeError naming gs.optim.WholeParamOptimizer, on every rank alike."""
+    cls = type(optimizer)
+    if (
+        cls.__name__ not in SHAPE_DEPENDENT
+        or cls.__module__.startswith("groupshard.")
+        or getattr(optimizer, SHARDS_ACCEPTED_ATTR, False)
+    ):
+        return
+    for group in optimizer.param_groups:
+        for shard in group["params"]:
+            segments = segments_of(shard)
+            if segments is not None:
+                raise TypeError(
+                    f"{cls.__module__}.{cls.__qualname__} computes a parameter's update from "
+                    "its shape or whole-tensor statistics, but it was given groupshard's flat "
+                    f"1-D shards (one holds {list(segments.fqns[:3])}), on which it would "
+                    "silently do something else. Step whole parameters instead: "
+                    f"gs.optim.WholeParamOptimizer(model.optimizer_groups(), {cls.__name__}, "
+                    "**its arguments) gives each parameter to one owner rank and equals "
+                    f"{cls.__name__} on one process."
+                )
+
+
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    _refuse_shape_dependent(optimizer)
     if _accumulating:
         _refuse_unreduced_gradients(optimizer)
     # A step of this optimizer that raised left its holds behind: settle them first.
@@ -372,6 +411,8 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
                 if record is not None:
                     keep = preserve_segments(shard, optimizer.state[shard], record.ranges)
             _held[id(shard)] = (id(optimizer), _restorer(shard, grad, shard.grad, keep))
+            if record is not None:
+                _skipped_in_step[id(shard)] = record
 
 
 def _refuse_original(param: torch.Tensor) -> None:
@@ -411,7 +452,19 @@ def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
         return
     mine = [key for key, (owner, _) in _held.items() if owner == id(optimizer)]
     for key in mine:
+        _skipped_in_step.pop(key, None)
         _held.pop(key)[1]()
+
+
+def without_grad_in_step(shard: torch.Tensor) -> tuple[int, ...]:
+    """During an optimizer step over ``shard``: the indices (in its flat buffer) of the
+    parameters that had no gradient in the backwards since the last step (all of them when
+    ``shard.grad`` is None), so an optimizer of whole parameters leaves them alone."""
+    if shard.grad is None:
+        segments = segments_of(shard)
+        return tuple(range(len(segments.buffer.params))) if segments is not None else ()
+    record = _skipped_in_step.get(id(shard))
+    return record.params if record is not None else ()
 
 
 def register_optimizer_hooks() -> None:

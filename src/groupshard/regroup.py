@@ -34,6 +34,7 @@ from groupshard.api import check_same_structure, plan_storages, structure_signat
 from groupshard.full_state import check_optimizer
 from groupshard.groups import ParamGroups, ResolvedGroup, ResolvedGroups, list_group_members
 from groupshard.layout import FlatBufferLayout, StorageLayout
+from groupshard.optim.whole import WholeParamOptimizer
 from groupshard.runtime import TrainingState
 from groupshard.sharding import ShardingState, register_shards, shard_attr_name, sharding_state
 from groupshard.storage import FlatStorage
@@ -124,6 +125,13 @@ def _plan(
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"gs.regroup expects the model's torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    if isinstance(optimizer, WholeParamOptimizer):
+        raise TypeError(
+            "gs.regroup does not support gs.optim.WholeParamOptimizer: its state lives whole on "
+            "owner ranks planned from the old groups. gs.regroup carries the state of "
+            "optimizers that step the shards (torch.optim, gs.optim's LAMB, LARS, LARC, AGC "
+            "and Muon, gs.ZeroRedundancyOptimizer)."
         )
     check_optimizer(model, optimizer)
     _check_between_steps(state)

@@ -21,7 +21,10 @@ def encode(value: Any) -> Any:
     if isinstance(value, dict):
         return {"__dict__": [[encode(k), encode(v)] for k, v in value.items()]}
     if isinstance(value, torch.Tensor):
-        return {"__tensor__": value.tolist(), "dtype": dtype_name(value.dtype)}
+        encoded = {"__tensor__": value.tolist(), "dtype": dtype_name(value.dtype)}
+        if not value.is_contiguous():  # e.g. QR's column-major Q: matmuls round by layout
+            encoded["stride"] = list(value.stride())
+        return encoded
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     raise TypeError(
@@ -40,8 +43,25 @@ def decode(value: Any) -> Any:
         if "__dict__" in value:
             return {decode(k): decode(v) for k, v in value["__dict__"]}
         if "__tensor__" in value:
-            return torch.tensor(value["__tensor__"], dtype=dtype(value["dtype"]))
+            tensor = torch.tensor(value["__tensor__"], dtype=dtype(value["dtype"]))
+            if "stride" not in value:
+                return tensor
+            return _strided(tensor, value["stride"])
     return value
+
+
+def _strided(tensor: torch.Tensor, stride: Any) -> torch.Tensor:
+    """``tensor`` laid out with ``stride`` (a permutation of a dense layout), else as is."""
+    stride = [int(s) for s in stride]
+    if len(stride) != tensor.dim():
+        return tensor
+    expected, ok = 1, True
+    for d in sorted(range(tensor.dim()), key=lambda d: stride[d]):
+        ok = ok and stride[d] == expected
+        expected *= tensor.shape[d]
+    if not ok:
+        return tensor
+    return torch.empty_strided(tensor.shape, stride, dtype=tensor.dtype).copy_(tensor)
 
 
 def dtype_name(value: torch.dtype) -> str:

@@ -46,6 +46,7 @@ from groupshard.api import ShardedModule
 from groupshard.checkpoint import codec
 from groupshard.checkpoint.planner import Piece
 from groupshard.full_state import check_optimizer
+from groupshard.optim.whole import WholeParamOptimizer
 from groupshard.segments import ShardSegments, segments_of
 from groupshard.writes import note_parameters_written
 from groupshard.zero import ZeroRedundancyOptimizer
@@ -198,6 +199,15 @@ class Holder(ABC):
     def hyperparameter_groups(self) -> list[list[dict[str, Any]]]:
         """Per param group, the group dicts a load updates with the saved hyperparameters."""
 
+    def whole_state_pieces(self) -> tuple[dict[str, Piece], dict[str, dict[str, Any]]]:
+        """Optimizer state kept whole on owner ranks (none but in ShardedHolder)."""
+        return {}, {}
+
+    def whole_state_destinations(
+        self, described: Mapping[str, dict[str, Any]]
+    ) -> tuple[dict[str, Piece], Callable[[], None]]:
+        return {}, lambda: None
+
     def buffer_pieces(self) -> dict[str, Piece]:
         return {
             f"buffers.{name}": Piece.whole(buffer.detach(), write=self.ranks.rank == 0)
@@ -257,7 +267,10 @@ class ShardedHolder(Holder):
     def slices(self) -> list[OptimizerSlice]:
         assert self.optimizer is not None
         slices = []
+        whole = isinstance(self.optimizer, WholeParamOptimizer)
         for group in self.optimizer.param_groups:
+            if whole and group["whole"]:  # its state is the owners': whole_state_pieces
+                continue
             for shard in group["params"]:
                 segments = segments_of(shard)
                 assert segments is not None
@@ -267,6 +280,49 @@ class ShardedHolder(Holder):
     def hyperparameter_groups(self) -> list[list[dict[str, Any]]]:
         assert self.optimizer is not None
         return [[group] for group in self.optimizer.param_groups]
+
+    def whole_state_pieces(self) -> tuple[dict[str, Piece], dict[str, dict[str, Any]]]:
+        """A ``gs.optim.WholeParamOptimizer``'s state of whole parameters, written by their
+        owners (``optim.<fqn>.<key>``, in the parameter's state shapes), and its
+        description from every rank (one gather)."""
+        if not isinstance(self.optimizer, WholeParamOptimizer):
+            return super().whole_state_pieces()
+        pieces: dict[str, Piece] = {}
+        described: dict[str, dict[str, Any]] = {}
+        for fqn, (_, state, _) in self.optimizer.owned_states().items():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    pieces[f"optim.{fqn}.{key}"] = Piece.whole(value.detach())
+                    kind = {"kind": "tensor", "shape": list(value.shape),
+                            "dtype": codec.dtype_name(value.dtype)}  # fmt: skip
+                else:
+                    kind = {"kind": "value", "value": codec.encode(value)}
+                described.setdefault(fqn, {})[key] = kind
+        for found in comm.gather_objects(described, self.ranks):
+            for fqn, kinds in found.items():
+                described.setdefault(fqn, kinds)
+        return pieces, described
+
+    def whole_state_destinations(
+        self, described: Mapping[str, dict[str, Any]]
+    ) -> tuple[dict[str, Piece], Callable[[], None]]:
+        """Pieces to read the whole parameters' state this rank now steps into, and what
+        installs it once read."""
+        if not isinstance(self.optimizer, WholeParamOptimizer):
+            return super().whole_state_destinations(described)
+        optimizer = self.optimizer
+        pieces: dict[str, Piece] = {}
+        per_fqn: dict[str, dict[str, Any]] = {}
+        for fqn, (whole, _, group) in optimizer.owned_states().items():
+            state = per_fqn.setdefault(fqn, {})
+            for key, kind in described.get(fqn, {}).items():
+                if kind["kind"] == "value":
+                    state[key] = codec.decode(kind["value"])
+                    continue
+                dtype, device = _state_placement(key, codec.dtype(kind["dtype"]), whole, group)
+                state[key] = torch.zeros(kind["shape"], dtype=dtype, device=device)
+                pieces[f"optim.{fqn}.{key}"] = Piece.whole(state[key])
+        return pieces, lambda: optimizer.load_owned_state(per_fqn)
 
 
 class ZeroHolder(Holder):

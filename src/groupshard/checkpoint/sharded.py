@@ -140,6 +140,9 @@ def save(
     if optimizer is not None:
         optim_pieces, meta["optim_state"] = optimizer_pieces(holder.slices())
         pieces.update(optim_pieces)
+        whole_pieces, whole_described = holder.whole_state_pieces()
+        pieces.update(whole_pieces)
+        meta["optim_state"].update(whole_described)
         meta["groups"] = holder.groups_meta()
     extra_pieces, meta["extra"], meta["extra_tensors"] = _extra_pieces(extra or {}, ranks.rank)
     pieces.update(extra_pieces)
@@ -305,11 +308,13 @@ def load(
         _check_model(holder.model_meta(), meta)
         pieces, after_read = holder.param_pieces(loading=True)
         pieces.update(holder.buffer_pieces())
-        states = []
+        states, install_whole = [], lambda: None
         if optimizer is not None:
             _check_groups(holder.listed_groups(), meta)
             optim_pieces, states = optimizer_destinations(holder.slices(), meta["optim_state"])
             pieces.update(optim_pieces)
+            whole_pieces, install_whole = holder.whole_state_destinations(meta["optim_state"])
+            pieces.update(whole_pieces)
         extra_tensors = {
             name: torch.empty(spec["shape"], dtype=codec.dtype(spec["dtype"]))
             for name, spec in meta["extra_tensors"].items()
@@ -324,4 +329,5 @@ def load(
     if optimizer is not None:
         _load_hyperparameters(holder, meta)
         install_states(states)
+        install_whole()
     return {**{k: codec.decode(v) for k, v in meta["extra"].items()}, **extra_tensors}

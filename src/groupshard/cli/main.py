@@ -250,6 +250,18 @@ def _check(args: argparse.Namespace) -> TrainConfig:
             "--freeze-embeddings-until needs groupshard's sharding (gs.regroup); --zero (DDP + "
             "the ZeRO-1 optimizer) trains every group from the start"
         )
+    if args.zero and args.optimizer == "adafactor":
+        raise CommandError(
+            "--optimizer adafactor steps whole parameters on owner ranks "
+            "(gs.optim.WholeParamOptimizer over groupshard's shards); --zero's ZeRO-1 optimizer "
+            "would hand Adafactor flat slices: leave out --zero"
+        )
+    if args.freeze_embeddings_until and args.optimizer in ("muon", "adafactor"):
+        raise CommandError(
+            "--freeze-embeddings-until works with --optimizer adamw, sgd, lamb or lars, not "
+            f"{args.optimizer}: its groups (matrices apart) are not the decay / no-decay "
+            "groups the embeddings join"
+        )
     if args.loss_scale is not None and args.precision != "fp16":
         raise CommandError(f"--loss-scale needs --precision fp16, got --precision {args.precision}")
     if args.loss_scale is not None and not args.loss_scale > 0:

@@ -88,7 +88,25 @@ def optimizer_spec(name: str, lr: float) -> tuple[type[torch.optim.Optimizer], d
         "sgd": (torch.optim.SGD, {"lr": lr, "momentum": 0.9}),
         "lamb": (gs.optim.LAMB, {"lr": lr}),
         "lars": (gs.optim.LARS, {"lr": lr, "trust_coefficient": 0.02}),
+        # Muon on the hidden matrices, AdamW on the rest, one learning rate (Moonlight's)
+        "muon": (gs.optim.Muon, {"lr": lr, "adjust_lr_fn": "match_rms_adamw"}),
+        # Adafactor's factored moments need whole matrices: owner ranks step them
+        "adafactor": (
+            gs.optim.WholeParamOptimizer,
+            {"optimizer_class": torch.optim.Adafactor, "lr": lr},
+        ),
     }[name]
+
+
+def optimizer_groups(
+    name: str, model: torch.nn.Module, weight_decay: float
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """The param groups for ``--optimizer name`` and their names in the log."""
+    if name == "muon":
+        adamw = {"betas": (0.9, 0.95), "weight_decay": weight_decay}
+        groups = gs.muon_groups(model, {"weight_decay": weight_decay}, adamw)
+        return groups, ["muon", "adamw"]
+    return with_exclusions(name, gs.decay_groups(model, weight_decay)), ["decay", "no_decay"]
 
 
 def with_exclusions(name: str, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -176,14 +194,16 @@ class Run:
         for name in EMBEDDINGS:
             model.get_parameter(name).requires_grad_(not self.embeddings_frozen)
         names = {id(p): n for n, p in model.named_parameters()}
-        groups = gs.decay_groups(model, config.weight_decay)
         # by name, to name the same parameters after gs.shard (--freeze-embeddings-until)
         self.group_params = [[names[id(p)] for p in g["params"] if names[id(p)] not in EMBEDDINGS]
-                             for g in groups]  # fmt: skip
-        self.group_names = ["decay", "no_decay"]
+                             for g in gs.decay_groups(model, config.weight_decay)]  # fmt: skip
         if config.freeze_embeddings_until:
             groups = self._groups(model, with_embeddings=not self.embeddings_frozen)
-        groups = with_exclusions(config.optimizer, groups)
+            groups = with_exclusions(config.optimizer, groups)
+        else:
+            groups, self.group_names = optimizer_groups(
+                config.optimizer, model, config.weight_decay
+            )
         optimizer_class, kwargs = optimizer_spec(config.optimizer, config.lr)
         if config.zero:
             self.model = DDP(model)

@@ -15,6 +15,7 @@ from groupshard.optim.lamb import LAMB
 from groupshard.optim.larc import LARC
 from groupshard.optim.lars import LARS
 from groupshard.optim.muon import Muon, merge_state_dicts, split_state_dict
+from groupshard.optim.whole import WholeParamOptimizer
 
 __all__ = [
     "AGC",
@@ -22,6 +23,7 @@ __all__ = [
     "LARC",
     "LARS",
     "Muon",
+    "WholeParamOptimizer",
     "adaptive_clip_grad_",
     "merge_state_dicts",
     "split_state_dict",

@@ -12,10 +12,8 @@ docs/muon-design.md has the design: ownership, volume and memory per step.
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
@@ -24,7 +22,15 @@ from torch.optim.adamw import adamw as adamw_functional
 
 from groupshard import comm
 from groupshard.optim.common import evaluate_closure
+from groupshard.optim.owners import (
+    OwnerExchange,
+    Ownership,
+    assign_owners,
+    by_process_group,
+)
 from groupshard.segments import ShardSegments, segments_of
+
+__all__ = ["Muon", "Ownership", "assign_owners", "newton_schulz_cost", "zeropower_via_newtonschulz"]
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 """Keller Jordan's quintic coefficients, as torch.optim.Muon's defaults."""
@@ -83,18 +89,6 @@ def newton_schulz_cost(rows: int, cols: int) -> int:
     return rows * cols * min(rows, cols)
 
 
-def assign_owners(costs: Sequence[int], world_size: int) -> list[int]:
-    """An owner rank per matrix: largest cost first, each to the least loaded rank (ties:
-    the earlier matrix first, the lower rank). Deterministic: the same on every rank."""
-    owners = [0] * len(costs)
-    loads = [(0, rank) for rank in range(world_size)]
-    for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        load, rank = heapq.heappop(loads)
-        owners[index] = rank
-        heapq.heappush(loads, (load + costs[index], rank))
-    return owners
-
-
 def matrix_shape(shape: Sequence[int], flatten_conv: bool, name: str) -> tuple[int, int]:
     """The matrix Muon orthogonalizes for a parameter of ``shape``; a ValueError naming
     the parameter when there is none."""
@@ -130,144 +124,6 @@ def _scalar_dtype(fused: bool | None) -> torch.dtype:
     if fused:
         return torch.float32
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-
-
-@dataclass(frozen=True)
-class _Matrix:
-    """One Muon matrix held in a sharded parameter, and where its pieces lie."""
-
-    fqn: str
-    group: int  # param-group index
-    param: int  # position of its sharded parameter in the exchange
-    rows: int
-    cols: int
-    owner: int
-    numels: tuple[int, ...]  # elements held by each rank
-    local_start: int  # where this rank's piece starts in its shard
-
-
-class _Exchange:
-    """The ownership and the all-to-all layout of one process group's Muon matrices.
-
-    Pure arithmetic on the segment maps: every rank builds the same matrices in the same
-    order (param groups, then parameters, then their slots) and the same owners.
-    """
-
-    def __init__(self, ranks: comm.Ranks, params: list[tuple[int, torch.Tensor, bool]]) -> None:
-        self.ranks = ranks
-        self.params = [param for _, param, _ in params]
-        self.groups = [group for group, _, _ in params]
-        size, me = ranks.size, ranks.rank
-        found: list[tuple[str, int, int, int, int, tuple[int, ...], int]] = []
-        for position, (group, param, flatten_conv) in enumerate(params):
-            segments = segments_of(param)
-            assert segments is not None
-            buffer = segments.buffer
-            if buffer.world_size != size or segments.shard_rank != me:
-                raise ValueError(
-                    f"A sharded parameter holding {segments.fqns[:3]} is laid out for "
-                    f"{buffer.world_size} ranks (this is shard {segments.shard_rank}) but its "
-                    f"process group has {size} ranks (this is rank {me})"
-                )
-            ranges = [buffer.shard_range(rank) for rank in range(size)]
-            for slot in buffer.params:
-                rows, cols = matrix_shape(slot.shape, flatten_conv, repr(slot.fqn))
-                if not slot.numel:
-                    continue
-                numels = tuple(
-                    max(0, min(slot.offset + slot.numel, end) - max(slot.offset, start))
-                    for start, end in ranges
-                )
-                local_start = max(slot.offset, ranges[me][0]) - ranges[me][0]
-                found.append((slot.fqn, group, position, rows, cols, numels, local_start))
-        owners = assign_owners([newton_schulz_cost(f[3], f[4]) for f in found], size)
-        self.matrices = [
-            _Matrix(fqn, group, position, rows, cols, owner, numels, start)
-            for (fqn, group, position, rows, cols, numels, start), owner in zip(
-                found, owners, strict=True
-            )
-        ]
-        # send buffer: destination-major; per destination its matrices in order
-        self.send_order = [
-            index
-            for rank in range(size)
-            for index, m in enumerate(self.matrices)
-            if m.owner == rank and m.numels[me]
-        ]
-        self.send_splits = [
-            sum(m.numels[me] for m in self.matrices if m.owner == rank) for rank in range(size)
-        ]
-        # receive buffer: source-major; per source the pieces of our matrices in order
-        self.owned = [index for index, m in enumerate(self.matrices) if m.owner == me]
-        self.recv_splits = [
-            sum(self.matrices[i].numels[rank] for i in self.owned) for rank in range(size)
-        ]
-        self.recv_places: list[list[tuple[int, int]]] = [[] for _ in self.owned]
-        offset = 0
-        for rank in range(size):
-            for places, index in zip(self.recv_places, self.owned, strict=True):
-                numel = self.matrices[index].numels[rank]
-                if numel:
-                    places.append((offset, numel))
-                offset += numel
-        # matrices this rank owns and holds whole ("solo"): orthogonalized from the local
-        # update while the second all-to-all runs (their slots in the buffers go unused)
-        whole = {i for i, m in enumerate(self.matrices) if m.numels[me] == m.rows * m.cols}
-        self.solo = whole.intersection(self.owned)
-        self.checked = False
-
-    def signature(self) -> list[tuple[str, int, int, tuple[int, ...]]]:
-        return [(m.fqn, m.rows, m.cols, m.numels) for m in self.matrices]
-
-    def costs(self) -> list[int]:
-        loads = [0] * self.ranks.size
-        for m in self.matrices:
-            loads[m.owner] += newton_schulz_cost(m.rows, m.cols)
-        return loads
-
-    def check_same_on_every_rank(self) -> None:
-        """One collective, at the first step: every rank must exchange the same matrices
-        (else the all-to-all would mismatch), failing on every rank, naming the first."""
-        signatures = comm.gather_objects(self.signature(), self.ranks)
-        self.checked = True
-        ours = signatures[0]
-        for rank, other in enumerate(signatures):
-            if other != ours:
-                first = next(
-                    (i for i, (a, b) in enumerate(zip(ours, other, strict=False)) if a != b),
-                    min(len(ours), len(other)),
-                )
-                mine = ours[first] if first < len(ours) else "nothing"
-                its = other[first] if first < len(other) else "nothing"
-                raise ValueError(
-                    f"gs.optim.Muon: ranks hold different Muon matrices: matrix {first} "
-                    f"(name, rows, cols, elements per rank) is {mine} on rank 0 but {its} on "
-                    f"rank {rank}; build the optimizer from the same param groups on every "
-                    "rank (model.optimizer_groups())."
-                )
-
-
-@dataclass(frozen=True)
-class Ownership:
-    """Who orthogonalizes which matrix, for one process group (``Muon.ownership()``)."""
-
-    world_size: int
-    rank: int
-    owners: dict[str, int]  # matrix name (FQN) -> owner rank
-    cost_per_rank: list[int]  # Newton-Schulz cost (rows * cols * min) owned by each rank
-    elements_sent: int  # of this rank's shards to other owners (and back, second trip)
-    elements_received: int  # of this rank's matrices from other ranks (and back)
-
-    @property
-    def balance(self) -> float:
-        """Largest cost per rank over the mean (1.0 is perfect)."""
-        mean = sum(self.cost_per_rank) / len(self.cost_per_rank)
-        return max(self.cost_per_rank) / mean if mean else 1.0
-
-    @property
-    def bytes_per_step(self) -> int:
-        """Bytes this rank sends per step (both all-to-alls); it receives as many."""
-        return (self.elements_sent + self.elements_received) * NS_DTYPE.itemsize
 
 
 def _add_orthogonalized(
@@ -326,7 +182,7 @@ class Muon(torch.optim.Optimizer):
             adjust_lr_fn=adjust_lr_fn, flatten_conv=flatten_conv, use_muon=True,
         )  # fmt: skip
         _check_muon_options(defaults, "gs.optim.Muon")
-        self._exchanges: tuple[Any, list[_Exchange]] | None = None
+        self._exchanges: tuple[Any, list[OwnerExchange]] | None = None
         super().__init__(params, defaults)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -374,24 +230,9 @@ class Muon(torch.optim.Optimizer):
         """Per process group over which Muon matrices are sharded: each matrix's owner, the
         Newton-Schulz cost per rank, and the elements this rank moves per step. Pure: no
         communication; the same owners on every rank."""
-        reports = []
-        for exchange in self._plans():
-            me = exchange.ranks.rank
-            sent = sum(s for rank, s in enumerate(exchange.send_splits) if rank != me)
-            received = sum(r for rank, r in enumerate(exchange.recv_splits) if rank != me)
-            reports.append(
-                Ownership(
-                    world_size=exchange.ranks.size,
-                    rank=me,
-                    owners={m.fqn: m.owner for m in exchange.matrices},
-                    cost_per_rank=exchange.costs(),
-                    elements_sent=sent,
-                    elements_received=received,
-                )
-            )
-        return reports
+        return [exchange.ownership(NS_DTYPE.itemsize) for exchange in self._plans()]
 
-    def _plans(self) -> list[_Exchange]:
+    def _plans(self) -> list[OwnerExchange]:
         """The exchanges (one per process group), rebuilt when the groups change."""
         key = tuple(
             (index, group["use_muon"], group.get("flatten_conv"), tuple(map(id, group["params"])))
@@ -399,21 +240,27 @@ class Muon(torch.optim.Optimizer):
         )
         if self._exchanges is not None and self._exchanges[0] == key:
             return self._exchanges[1]
-        by_group: dict[int, list[tuple[int, torch.Tensor, bool]]] = {}
-        ranks: dict[int, comm.Ranks] = {}
-        for index, group in enumerate(self.param_groups):
-            if not group["use_muon"]:
-                continue
-            for param in group["params"]:
-                segments = segments_of(param)
-                if segments is not None and segments.needs_reduce:
-                    by_group.setdefault(id(segments.ranks.group), []).append(
-                        (index, param, group["flatten_conv"])
-                    )
-                    ranks.setdefault(id(segments.ranks.group), segments.ranks)
-        exchanges = [_Exchange(ranks[k], entries) for k, entries in by_group.items()]
+        entries = [
+            (index, param)
+            for index, group in enumerate(self.param_groups)
+            if group["use_muon"]
+            for param in group["params"]
+        ]
+        exchanges = [
+            OwnerExchange(ranks, found, self._matrix_cost)
+            for ranks, found in by_process_group(entries)
+        ]
         self._exchanges = (key, exchanges)
         return exchanges
+
+    def _matrix_cost(self, group: int, shape: tuple[int, ...]) -> float:
+        flatten_conv = self.param_groups[group]["flatten_conv"]
+        return newton_schulz_cost(*matrix_shape(shape, flatten_conv, "a Muon parameter"))
+
+    def _dims(self, exchange: OwnerExchange, index: int) -> tuple[int, int]:
+        """The matrix (rows, cols) Muon orthogonalizes for the exchange's tensor ``index``."""
+        t = exchange.tensors[index]
+        return matrix_shape(t.shape, self.param_groups[t.group]["flatten_conv"], repr(t.fqn))
 
     # --- step -----------------------------------------------------------------------
 
@@ -441,7 +288,7 @@ class Muon(torch.optim.Optimizer):
         started = []
         for exchange in exchanges:
             if not exchange.checked:
-                exchange.check_same_on_every_rank()
+                exchange.check_same_on_every_rank("gs.optim.Muon", "Muon matrices")
             started.append(self._exchange_start(exchange, updates))
         for group in adamw_groups:  # while the pieces travel to their owners
             self._adamw_step(group)
@@ -493,96 +340,70 @@ class Muon(torch.optim.Optimizer):
             _add_orthogonalized(values[span], flat[span], group, rows, cols)
 
     def _exchange_start(
-        self, exchange: _Exchange, updates: dict[int, torch.Tensor]
+        self, exchange: OwnerExchange, updates: dict[int, torch.Tensor]
     ) -> tuple[list[torch.Tensor | None], torch.Tensor, torch.Tensor, comm.Pending]:
         """Pack this rank's pieces of the matrices owned elsewhere (and of its own that
-        others hold pieces of) and start the all-to-all to their owners."""
-        me, matrices = exchange.ranks.rank, exchange.matrices
-        device = exchange.params[0].device
+        others hold pieces of), in bfloat16 as NS's first op would cast them, and start the
+        all-to-all to their owners (no gradient here: zeros, nothing applied)."""
         flats = [updates.get(id(param)) for param in exchange.params]
-        sources = []
-        for index in exchange.send_order:
-            matrix = matrices[index]
-            numel = matrix.numels[me]
-            flat = flats[matrix.param]
-            if flat is None:  # no gradient here: take part with zeros, apply nothing
-                sources.append(torch.zeros(numel, dtype=NS_DTYPE, device=device))
-            else:
-                sources.append(flat.view(-1)[matrix.local_start : matrix.local_start + numel])
-        send = torch.empty(sum(exchange.send_splits), dtype=NS_DTYPE, device=device)
-        if sources:
-            torch.cat(sources, out=send)  # casts to bfloat16 as NS's first op would
-        received = torch.empty(sum(exchange.recv_splits), dtype=NS_DTYPE, device=device)
-        pending = comm.all_to_all(
-            received, send, exchange.recv_splits, exchange.send_splits, exchange.ranks,
-            async_op=True,
-        )  # fmt: skip
+        send = exchange.pack([flats], NS_DTYPE)
+        received, pending = exchange.to_owners(send)
         return flats, send, received, pending
 
     def _exchange_finish(
         self,
-        exchange: _Exchange,
+        exchange: OwnerExchange,
         flats: list[torch.Tensor | None],
         send: torch.Tensor,
         received: torch.Tensor,
         pending: comm.Pending,
     ) -> None:
         """Newton-Schulz on whole matrices, slices back to their ranks, update."""
-        me, matrices = exchange.ranks.rank, exchange.matrices
         pending.wait()
-        for index, places in zip(exchange.owned, exchange.recv_places, strict=True):
+        for position, index in enumerate(exchange.owned):
             if index in exchange.solo:
                 continue
-            matrix = matrices[index]
-            group = self.param_groups[matrix.group]
-            pieces = [received[offset : offset + numel] for offset, numel in places]
+            group = self.param_groups[exchange.tensors[index].group]
+            rows, cols = self._dims(exchange, index)
+            pieces = exchange.received_pieces(received, position)
             # the pieces in rank order are the flattened matrix; Newton-Schulz may scale
             # its input in place (received or the concatenation), overwritten below
             whole = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
             ortho = _newton_schulz(
-                whole.view(matrix.rows, matrix.cols),
-                group["ns_coefficients"], group["ns_steps"], group["eps"],
-            )  # fmt: skip
+                whole.view(rows, cols), group["ns_coefficients"], group["ns_steps"], group["eps"]
+            )
             if not ortho.is_contiguous():  # a tall matrix's: transposed into the input's place
-                ortho = whole.view(matrix.rows, matrix.cols).copy_(ortho)
+                ortho = whole.view(rows, cols).copy_(ortho)
             if ortho.data_ptr() != whole.data_ptr() or len(pieces) > 1:
-                torch._foreach_copy_(pieces, list(ortho.view(-1).split([n for _, n in places])))
-        back = comm.all_to_all(
-            send, received, exchange.send_splits, exchange.recv_splits, exchange.ranks,
-            async_op=True,
-        )  # fmt: skip
+                sizes = [piece.numel() for piece in pieces]
+                torch._foreach_copy_(pieces, list(ortho.view(-1).split(sizes)))
+        back = exchange.back(received, send)
         for param, flat, index in zip(exchange.params, flats, exchange.groups, strict=True):
             if flat is not None:
                 group = self.param_groups[index]
                 param.mul_(1 - _scalar(group["lr"]) * group["weight_decay"])
-        for index in exchange.owned:  # held whole here: orthogonalized while slices travel
-            if index not in exchange.solo:
-                continue
-            matrix = matrices[index]
-            flat = flats[matrix.param]
+        for index in sorted(exchange.solo):  # held whole here: orthogonalized while slices travel
+            t = exchange.tensors[index]
+            flat = flats[t.param]
             if flat is None:
                 continue
-            span = slice(matrix.local_start, matrix.local_start + matrix.rows * matrix.cols)
+            rows, cols = self._dims(exchange, index)
             _add_orthogonalized(
-                exchange.params[matrix.param].view(-1)[span], flat.view(-1)[span],
-                self.param_groups[matrix.group], matrix.rows, matrix.cols,
+                exchange.local_piece(exchange.params[t.param], index),
+                exchange.local_piece(flat, index), self.param_groups[t.group], rows, cols,
             )  # fmt: skip
         back.wait()
         by_alpha: dict[float, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        offset = 0
-        for index in exchange.send_order:
-            matrix = matrices[index]
-            numel = matrix.numels[me]
-            if flats[matrix.param] is not None and index not in exchange.solo:
-                group = self.param_groups[matrix.group]
-                lr = adjusted_lr(
-                    _scalar(group["lr"]), group["adjust_lr_fn"], matrix.rows, matrix.cols
-                )
-                targets, results = by_alpha.setdefault(-lr, ([], []))
-                values = exchange.params[matrix.param].view(-1)
-                targets.append(values[matrix.local_start : matrix.local_start + numel])
-                results.append(send[offset : offset + numel])
-            offset += numel
+        for index, result in exchange.returned_pieces(send):
+            t = exchange.tensors[index]
+            if flats[t.param] is None or index in exchange.solo:
+                continue
+            group = self.param_groups[t.group]
+            rows, cols = self._dims(exchange, index)
+            lr = adjusted_lr(_scalar(group["lr"]), group["adjust_lr_fn"], rows, cols)
+            targets, results = by_alpha.setdefault(-lr, ([], []))
+            targets.append(exchange.local_piece(exchange.params[t.param], index))
+            results.append(result)
         for alpha, (targets, results) in by_alpha.items():
             torch._foreach_add_(targets, results, alpha=alpha)
 

@@ -1,0 +1,367 @@
+"""Whole parameters of flat shards, each owned by one rank, and the all-to-all that moves
+their pieces between the shards and the owner.
+
+Shared by ``gs.optim.Muon`` (its momentum updates travel, in bfloat16) and
+``gs.optim.WholeParamOptimizer`` (gradients and values travel). Each original parameter
+held in sharded parameters gets one owner rank, chosen by a cost-balanced greedy
+assignment (largest first to the least loaded rank), computed alike on every rank from
+the segment maps: nothing is communicated to agree on it, nothing saved.
+
+Buffers of one exchange, per rank ``me``:
+
+- *to owners*: destination-major; per destination the pieces ``me`` holds of the
+  parameters that rank owns, in parameter order; with several payloads (gradient, value)
+  each destination's chunk holds payload 0's pieces, then payload 1's;
+- *received*: source-major; per source its pieces of the parameters ``me`` owns, in
+  order: concatenating a parameter's pieces in rank order gives it flattened;
+- the trip *back* uses the same two layouts with one payload, the roles swapped.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from groupshard import comm
+from groupshard.segments import segments_of
+
+Cost = Callable[[int, tuple[int, ...]], float]
+"""``cost(group_index, shape)``: the owner's work for one parameter of that group."""
+
+
+def assign_owners(
+    costs: Sequence[float], world_size: int, loads: Sequence[float] | None = None
+) -> list[int]:
+    """An owner rank per item: largest cost first, each to the least loaded rank (ties:
+    the earlier item first, the lower rank), starting from ``loads`` (default zeros).
+    Deterministic: the same on every rank."""
+    owners = [0] * len(costs)
+    heap = [(loads[rank] if loads else 0, rank) for rank in range(world_size)]
+    heapq.heapify(heap)
+    for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        load, rank = heapq.heappop(heap)
+        owners[index] = rank
+        heapq.heappush(heap, (load + costs[index], rank))
+    return owners
+
+
+def _balance(loads: Sequence[float]) -> float:
+    mean = sum(loads) / len(loads)
+    return max(loads) / mean if mean else 1.0
+
+
+def _near(
+    costs: Sequence[float],
+    numels: Sequence[Sequence[int]],
+    loads: list[float],
+    slack: float,
+) -> tuple[list[int], list[float]]:
+    """Largest first, to the rank holding most of the item while it stays within
+    ``slack`` times the mean load, else to the least loaded rank."""
+    size = len(loads)
+    target = slack * (sum(loads) + sum(costs)) / size
+    owners = [0] * len(costs)
+    for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        holder = max(range(size), key=lambda r: (numels[index][r], -loads[r], -r))
+        least = min(range(size), key=lambda r: (loads[r], r))
+        rank = holder if loads[holder] + costs[index] <= target else least
+        owners[index] = rank
+        loads[rank] += costs[index]
+    return owners, loads
+
+
+def assign_owners_near(
+    costs: Sequence[float],
+    numels: Sequence[Sequence[int]],
+    world_size: int,
+    loads: Sequence[float] | None = None,
+) -> list[int]:
+    """As ``assign_owners``, but each item goes to the rank holding most of it (``numels[i]``:
+    its elements per rank) where the balance allows: a parameter owned where it lies needs
+    no exchange. The loosest slack over the mean load (1.05 down to 1.0) whose balance
+    (max / mean) is within 1.05 or ``assign_owners``'s, else ``assign_owners``'s."""
+    start = list(loads) if loads else [0.0] * world_size
+    plain = assign_owners(costs, world_size, start)
+    plain_loads = list(start)
+    for index, rank in enumerate(plain):
+        plain_loads[rank] += costs[index]
+    limit = max(1.05, _balance(plain_loads))
+    for slack in (1.05, 1.03, 1.01, 1.0):
+        owners, ended = _near(costs, numels, list(start), slack)
+        if _balance(ended) <= limit:
+            return owners
+    return plain
+
+
+@dataclass(frozen=True)
+class OwnedParam:
+    """One original parameter held in sharded parameters, and where its pieces lie."""
+
+    fqn: str
+    group: int  # param-group index
+    param: int  # position of its sharded parameter in the exchange
+    shape: tuple[int, ...]
+    cost: float
+    owner: int
+    numels: tuple[int, ...]  # elements held by each rank
+    local_start: int  # where this rank's piece starts in its shard
+
+    @property
+    def numel(self) -> int:
+        return sum(self.numels)
+
+
+@dataclass(frozen=True)
+class Ownership:
+    """Who owns which parameter, for one process group (``optimizer.ownership()``)."""
+
+    world_size: int
+    rank: int
+    owners: dict[str, int]  # parameter name (FQN) -> owner rank
+    cost_per_rank: list[float]  # the owners' cost (see the optimizer's cost) per rank
+    elements_sent: int  # of this rank's shards to other owners (and back), per payload
+    elements_received: int  # of this rank's owned parameters from other ranks (and back)
+    bytes_per_step: int  # this rank sends per step, both trips (it receives as many)
+
+    @property
+    def balance(self) -> float:
+        """Largest cost per rank over the mean (1.0 is perfect)."""
+        mean = sum(self.cost_per_rank) / len(self.cost_per_rank)
+        return max(self.cost_per_rank) / mean if mean else 1.0
+
+
+class OwnerExchange:
+    """The owners and the all-to-all layout of one process group's sharded parameters.
+
+    Pure arithmetic on the segment maps: every rank builds the same parameters in the
+    same order (param groups, then sharded parameters, then their slots) and owners.
+    ``owners`` fixes the owner of parameters (by FQN) assigned before, e.g. whose state
+    lives on their owner; the others are assigned around them, with ``near`` to the rank
+    holding most of each where the balance allows (``assign_owners_near``).
+    """
+
+    def __init__(
+        self,
+        ranks: comm.Ranks,
+        params: list[tuple[int, torch.Tensor]],
+        cost: Cost,
+        owners: Mapping[str, int] | None = None,
+        near: bool = False,
+    ) -> None:
+        self.ranks = ranks
+        self.params = [param for _, param in params]
+        self.groups = [group for group, _ in params]
+        size, me = ranks.size, ranks.rank
+        found = []
+        for position, (group, param) in enumerate(params):
+            segments = segments_of(param)
+            assert segments is not None
+            buffer = segments.buffer
+            if buffer.world_size != size or segments.shard_rank != me:
+                raise ValueError(
+                    f"A sharded parameter holding {segments.fqns[:3]} is laid out for "
+                    f"{buffer.world_size} ranks (this is shard {segments.shard_rank}) but its "
+                    f"process group has {size} ranks (this is rank {me})"
+                )
+            ranges = [buffer.shard_range(rank) for rank in range(size)]
+            for slot in buffer.params:
+                shape = tuple(int(n) for n in slot.shape)
+                work = cost(group, shape)  # also where a subclass refuses a shape
+                if not slot.numel:
+                    continue
+                numels = tuple(
+                    max(0, min(slot.offset + slot.numel, end) - max(slot.offset, start))
+                    for start, end in ranges
+                )
+                start = max(slot.offset, ranges[me][0]) - ranges[me][0]
+                found.append((slot.fqn, group, position, shape, work, numels, start))
+        fixed = dict(owners or {})
+        loads = [0.0] * size
+        for f in found:
+            if f[0] in fixed:
+                loads[fixed[f[0]]] += f[4]
+        free = [f for f in found if f[0] not in fixed]
+        if near:
+            chosen = assign_owners_near([f[4] for f in free], [f[5] for f in free], size, loads)
+        else:
+            chosen = assign_owners([f[4] for f in free], size, loads)
+        fixed.update(zip([f[0] for f in free], chosen, strict=True))
+        self.tensors = [OwnedParam(*f[:5], fixed[f[0]], *f[5:]) for f in found]
+        self._plan_buffers()
+        self.checked = False
+
+    def _plan_buffers(self) -> None:
+        """The buffers' layout. A tensor its owner holds whole ("solo" there) travels not
+        at all: only the others' pieces are in the buffers."""
+        size, me = self.ranks.size, self.ranks.rank
+        moved = [t.numels[t.owner] != t.numel for t in self.tensors]
+        self.send_order = [  # indices of the tensors whose piece this rank sends, in order
+            index
+            for rank in range(size)
+            for index, t in enumerate(self.tensors)
+            if t.owner == rank and t.numels[me] and moved[index]
+        ]
+        self.send_splits = [
+            sum(
+                t.numels[me] for t, m in zip(self.tensors, moved, strict=True) if m and t.owner == r
+            )
+            for r in range(size)
+        ]
+        self.owned = [index for index, t in enumerate(self.tensors) if t.owner == me]
+        self.solo = {index for index in self.owned if not moved[index]}
+        self.recv_splits = [
+            sum(self.tensors[i].numels[rank] for i in self.owned if moved[i])
+            for rank in range(size)
+        ]
+        # per owned tensor, its pieces: (source rank, offset in that source's chunk, numel)
+        self.recv_places: list[list[tuple[int, int, int]]] = [[] for _ in self.owned]
+        for rank in range(size):
+            offset = 0
+            for places, index in zip(self.recv_places, self.owned, strict=True):
+                numel = self.tensors[index].numels[rank]
+                if numel and moved[index]:
+                    places.append((rank, offset, numel))
+                    offset += numel
+
+    # --- the layout --------------------------------------------------------------------
+
+    def local_piece(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+        """This rank's piece of tensor ``index`` in ``flat``, a tensor laid out like its shard."""
+        t = self.tensors[index]
+        numel = t.numels[self.ranks.rank]
+        return flat.view(-1)[t.local_start : t.local_start + numel]
+
+    def pack(
+        self, payloads: Sequence[Sequence[torch.Tensor | None]], dtype: torch.dtype
+    ) -> torch.Tensor:
+        """The buffer to the owners: per destination, per payload, this rank's pieces.
+
+        ``payloads[p][k]`` is payload ``p`` of the exchange's sharded parameter ``k`` (laid
+        out like it), or None to send zeros (it has no gradient here).
+        """
+        device = self.params[0].device
+        me = self.ranks.rank
+        sources: list[torch.Tensor] = []
+        for rank in range(self.ranks.size):
+            mine = [i for i in self.send_order if self.tensors[i].owner == rank]
+            for flats in payloads:
+                for index in mine:
+                    flat = flats[self.tensors[index].param]
+                    if flat is None:
+                        numel = self.tensors[index].numels[me]
+                        sources.append(torch.zeros(numel, dtype=dtype, device=device))
+                    else:
+                        sources.append(self.local_piece(flat, index))
+        send = torch.empty(sum(self.send_splits) * len(payloads), dtype=dtype, device=device)
+        if sources:
+            torch.cat(sources, out=send)  # casts to ``dtype``
+        return send
+
+    def to_owners(self, send: torch.Tensor, payloads: int = 1) -> tuple[torch.Tensor, comm.Pending]:
+        """Start the all-to-all of ``send`` (``pack``'s) to the owners; the receive buffer."""
+        received = send.new_empty(sum(self.recv_splits) * payloads)
+        pending = comm.all_to_all(
+            received, send, [n * payloads for n in self.recv_splits],
+            [n * payloads for n in self.send_splits], self.ranks, async_op=True,
+        )  # fmt: skip
+        return received, pending
+
+    def received_pieces(
+        self, received: torch.Tensor, position: int, payload: int = 0, payloads: int = 1
+    ) -> list[torch.Tensor]:
+        """Views of ``received`` holding the pieces, in rank order, of ``self.owned[position]``."""
+        starts = [0]
+        for split in self.recv_splits:
+            starts.append(starts[-1] + split * payloads)
+        return [
+            received[begin : begin + numel]
+            for rank, offset, numel in self.recv_places[position]
+            for begin in [starts[rank] + payload * self.recv_splits[rank] + offset]
+        ]
+
+    def back(self, values: torch.Tensor, into: torch.Tensor) -> comm.Pending:
+        """Start the all-to-all from the owners: ``values`` in the (one-payload) received
+        layout go back into ``into``, in the (one-payload) layout sent to the owners."""
+        return comm.all_to_all(
+            into, values, self.send_splits, self.recv_splits, self.ranks, async_op=True
+        )
+
+    def returned_pieces(self, returned: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """``(tensor index, view)`` of each piece in the one-payload layout sent to owners."""
+        me, offset, found = self.ranks.rank, 0, []
+        for index in self.send_order:
+            numel = self.tensors[index].numels[me]
+            found.append((index, returned[offset : offset + numel]))
+            offset += numel
+        return found
+
+    # --- reports and checks ------------------------------------------------------------
+
+    def costs(self) -> list[float]:
+        loads = [0.0] * self.ranks.size
+        for t in self.tensors:
+            loads[t.owner] += t.cost
+        return loads
+
+    def ownership(self, element_size: int, payloads: int = 1) -> Ownership:
+        """The report, for ``payloads`` payloads to the owners and one back, of
+        ``element_size`` bytes an element."""
+        me = self.ranks.rank
+        sent = sum(s for rank, s in enumerate(self.send_splits) if rank != me)
+        received = sum(r for rank, r in enumerate(self.recv_splits) if rank != me)
+        return Ownership(
+            world_size=self.ranks.size, rank=me,
+            owners={t.fqn: t.owner for t in self.tensors}, cost_per_rank=self.costs(),
+            elements_sent=sent, elements_received=received,
+            bytes_per_step=(sent * payloads + received) * element_size,
+        )  # fmt: skip
+
+    def signature(self) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+        return [(t.fqn, t.shape, t.numels) for t in self.tensors]
+
+    def check_same_on_every_rank(
+        self, who: str, what: str = "parameters", extra: Any = None
+    ) -> None:
+        """One collective: every rank must exchange the same parameters (else the
+        all-to-all would mismatch) and agree on ``extra``; fails on every rank, naming
+        the first difference."""
+        signatures = comm.gather_objects((extra, self.signature()), self.ranks)
+        self.checked = True
+        ours_extra, ours = signatures[0]
+        for rank, (other_extra, other) in enumerate(signatures):
+            if other_extra != ours_extra:
+                raise ValueError(
+                    f"{who}: ranks were given different optimizers: {ours_extra} on rank 0 "
+                    f"but {other_extra} on rank {rank}; build it alike on every rank."
+                )
+            if other != ours:
+                first = next(
+                    (i for i, (a, b) in enumerate(zip(ours, other, strict=False)) if a != b),
+                    min(len(ours), len(other)),
+                )
+                mine = ours[first] if first < len(ours) else "nothing"
+                its = other[first] if first < len(other) else "nothing"
+                raise ValueError(
+                    f"{who}: ranks hold different {what}: number {first} (name, shape, "
+                    f"elements per rank) is {mine} on rank 0 but {its} on rank {rank}; build "
+                    "the optimizer from the same param groups on every rank "
+                    "(model.optimizer_groups())."
+                )
+
+
+def by_process_group(
+    entries: Sequence[tuple[int, torch.Tensor]],
+) -> list[tuple[comm.Ranks, list[tuple[int, torch.Tensor]]]]:
+    """The sharded parameters among ``entries`` (group index, parameter) that need an
+    exchange (split over several ranks), by process group, in first-seen order."""
+    found: dict[int, tuple[comm.Ranks, list[tuple[int, torch.Tensor]]]] = {}
+    for group, param in entries:
+        segments = segments_of(param)
+        if segments is not None and segments.needs_reduce:
+            key = id(segments.ranks.group)
+            found.setdefault(key, (segments.ranks, []))[1].append((group, param))
+    return list(found.values())
