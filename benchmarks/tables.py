@@ -551,7 +551,8 @@ def whole_param_table(reports: list[Report]) -> Lines:
     """``benchmarks/whole_param.py``: optimizer step (wall and CPU), state per rank, owner
     balance and distance from DDP, per world size."""
     header = ["world", "system", "optimizer ms", "CPU ms", "/ DDP (paired)", "CPU / DDP",
-              "state MiB/rank", "state / DDP", "owner balance", "max diff vs DDP"]  # fmt: skip
+              "compute / DDP", "state MiB/rank", "state / DDP", "owner balance",
+              "max diff vs DDP"]  # fmt: skip
     rows = []
     for report in reports:
         if report.get("kind") != "whole-param":
@@ -559,12 +560,13 @@ def whole_param_table(reports: list[Report]) -> Lines:
         for name, row in report["rows"].items():
             world = str(report["world_size"])
             if row["error"]:
-                rows.append([world, name, f"fails: {row['error'][:90]}"] + [DASH] * 7)
+                rows.append([world, name, f"fails: {row['error'][:90]}"] + [DASH] * 8)
                 continue
             rows.append([
                 world, name, fmt(row["optimizer_ms"], ".1f"), fmt(row["cpu_ms"], ".1f"),
                 with_paired(row.get("ratio_to_ddp"), row.get("ratio_to_ddp_paired")),
                 fmt(row.get("cpu_ratio_to_ddp"), ".2f"),
+                fmt(row.get("compute_ratio_to_ddp"), ".2f"),
                 mib(max(row["state_bytes_per_rank"])), fmt(row.get("state_ratio_to_ddp"), ".2f"),
                 fmt(row.get("balance"), ".3f"), fmt(row.get("max_difference_vs_ddp"), ".1e"),
             ])  # fmt: skip

@@ -18,8 +18,10 @@ every system (forward, backward, optimizer step, zero_grad), the order rotated e
 Per step: the optimizer step's wall time (a barrier before it, rank 0's clock) and its CPU
 time (``time.process_time``: all threads of the rank's process, compute and gloo's).
 Reported: medians over the rounds after warm-up, the optimizer step over DDP's (the median
-of the per-round ratios too), the owners' balance (max / mean cost per rank), optimizer
-state bytes per rank, and each row's largest parameter difference from DDP's after the run.
+of the per-round ratios too), the slowest rank's computation alone (its inner optimizers'
+own steps, without the exchange: the step if communication were free) over DDP's step,
+the owners' balance (max / mean cost per rank), optimizer state bytes per rank, and each
+row's largest parameter difference from DDP's after the run.
 
 Output: a table, and a JSON file (default ``benchmarks/results-4m-whole-param-ws<N>.json``),
 from which ``benchmarks/tables.py`` renders the README's table.
@@ -163,6 +165,7 @@ def _worker(rank: int, args: argparse.Namespace, store_path: str, result_path: s
             built[row_name(kind, name)] = (kind, model, optimizer)
             rows[row_name(kind, name)] = {"optimizer": name, "kind": kind, "wall_ms": [],
                                           "cpu_ms": [], "error": None}  # fmt: skip
+    compute: dict[str, list[float] | None] = {name: None for name in built}
     names = list(built)
     steps = args.warmup + args.rounds
     batches = bench._batches(config, batch, args.world_size, steps)
@@ -174,14 +177,21 @@ def _worker(rank: int, args: argparse.Namespace, store_path: str, result_path: s
             if row["error"] is not None:
                 continue
             tokens = batches[index][rank * batch : (rank + 1) * batch]
+            if compute[name] is None:  # a WholeParamOptimizer builds its inner ones at step 1
+                compute[name] = _time_inner_steps(optimizer)
             try:
                 wall, cpu, _ = one_step(model, optimizer, tokens)
             except Exception as error:  # FSDP2 + an optimizer that cannot take DTensors
                 row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
                 continue
+            inner = compute[name]
             if index >= args.warmup:
                 row["wall_ms"].append(wall * 1e3)
                 row["cpu_ms"].append(cpu * 1e3)
+                if inner is not None:
+                    row.setdefault("compute_ms", []).append(sum(inner) * 1e3)
+            if inner is not None:
+                inner.clear()
     for name in names:
         kind, model, optimizer = built[name]
         row = rows[name]
@@ -205,6 +215,29 @@ def _worker(rank: int, args: argparse.Namespace, store_path: str, result_path: s
     dist.destroy_process_group()
 
 
+def _time_inner_steps(optimizer: Any) -> list[float] | None:
+    """For a WholeParamOptimizer: a list that collects the seconds of its inner optimizers'
+    own steps (the owners' whole-parameter update and the shard groups': the computation,
+    without the exchange), by wrapping their ``step``; None for any other optimizer."""
+    if not isinstance(optimizer, gs.optim.WholeParamOptimizer):
+        return None
+    if optimizer._whole_optimizer is None:
+        return None  # not built yet
+    seconds: list[float] = []
+    for inner in (optimizer._whole_optimizer, optimizer._shard_optimizer):
+        step = inner.step
+
+        def timed(*args: Any, step: Any = step, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return step(*args, **kwargs)
+            finally:
+                seconds.append(time.perf_counter() - started)
+
+        inner.step = timed
+    return seconds
+
+
 def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
@@ -221,6 +254,11 @@ def report(args: argparse.Namespace, per_rank: list[dict[str, Any]]) -> dict[str
             "state_bytes_per_rank": [r[name]["state_bytes"] for r in per_rank],
             "max_difference_vs_ddp": row.get("max_difference_vs_ddp"),
         }  # fmt: skip
+        compute = [statistics.median(r[name]["compute_ms"]) for r in per_rank
+                   if r[name].get("compute_ms")]  # fmt: skip
+        if compute:  # the slowest rank's computation: the step if the exchange were free
+            rows[name]["compute_ms_per_rank"] = compute
+            rows[name]["compute_ms"] = max(compute)
         if "cost_per_rank" in row:
             costs = row["cost_per_rank"]
             rows[name]["balance"] = max(costs) / (sum(costs) / len(costs))
@@ -235,6 +273,8 @@ def report(args: argparse.Namespace, per_rank: list[dict[str, Any]]) -> dict[str
         pairs = zip(row["wall_ms_rounds"], ddp["wall_ms_rounds"], strict=False)
         row["ratio_to_ddp_paired"] = statistics.median(a / b for a, b in pairs)
         row["cpu_ratio_to_ddp"] = row["cpu_ms"] / ddp["cpu_ms"]
+        if "compute_ms" in row:
+            row["compute_ratio_to_ddp"] = row["compute_ms"] / ddp["optimizer_ms"]
         row["state_ratio_to_ddp"] = max(row["state_bytes_per_rank"]) / max(
             ddp["state_bytes_per_rank"]
         )

@@ -37,8 +37,8 @@ def assign_owners(
     costs: Sequence[float], world_size: int, loads: Sequence[float] | None = None
 ) -> list[int]:
     """An owner rank per item: largest cost first, each to the least loaded rank (ties:
-    the earlier item first, the lower rank), starting from ``loads`` (default zeros).
-    Deterministic: the same on every rank."""
+    the earlier item first, the lower rank), starting from ``loads`` (default zeros), then
+    ``_rebalance``d. Deterministic: the same on every rank."""
     owners = [0] * len(costs)
     heap = [(loads[rank] if loads else 0, rank) for rank in range(world_size)]
     heapq.heapify(heap)
@@ -46,6 +46,41 @@ def assign_owners(
         load, rank = heapq.heappop(heap)
         owners[index] = rank
         heapq.heappush(heap, (load + costs[index], rank))
+    return _rebalance(costs, owners, loads or [0.0] * world_size)
+
+
+def _rebalance(costs: Sequence[float], owners: list[int], start: Sequence[float]) -> list[int]:
+    """Improve an assignment by moves and swaps off the most loaded rank: the best one that
+    lowers the larger of the two ranks' loads, until none does (at most twice as many
+    rounds as items). Largest-first alone leaves lumpy costs unbalanced: SOAP's 12 matrices
+    of the 4.2M GPT at 4 ranks, 1.107 x the mean load where 1.053 is possible."""
+    loads = list(start)
+    for index, rank in enumerate(owners):
+        loads[rank] += costs[index]
+    for _ in range(2 * len(costs)):
+        top = max(range(len(loads)), key=lambda r: (loads[r], -r))
+        best: tuple[float, int, int, int] | None = None  # (new larger load, rank, item, other)
+        for index in (i for i, owner in enumerate(owners) if owner == top):
+            for rank in range(len(loads)):
+                if rank == top:
+                    continue
+                others = [-1, *(j for j, owner in enumerate(owners) if owner == rank)]
+                for other in others:
+                    delta = costs[index] - (costs[other] if other >= 0 else 0.0)
+                    larger = max(loads[top] - delta, loads[rank] + delta)
+                    if delta > 0 and larger < loads[top] and (
+                        best is None or (larger, rank, index, other) < best
+                    ):
+                        best = (larger, rank, index, other)
+        if best is None:
+            break
+        _, rank, index, other = best
+        delta = costs[index] - (costs[other] if other >= 0 else 0.0)
+        owners[index] = rank
+        if other >= 0:
+            owners[other] = top
+        loads[top] -= delta
+        loads[rank] += delta
     return owners
 
 
