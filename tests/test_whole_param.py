@@ -64,6 +64,19 @@ def step_all(optimizers: list[Any]) -> None:
         optimizer.zero_grad()
 
 
+def step_side_by_side(
+    sharded: nn.Module, reference: nn.Module, ours: list[Any], theirs: list[Any], steps: int
+) -> None:
+    """``steps`` steps of both with the same full gradients, set directly (no backward)."""
+    for step in range(steps):
+        grads = full_gradients(reference, step)
+        set_shard_grads(sharded, grads)
+        for name, param in reference.named_parameters():
+            param.grad = grads[name].clone()
+        step_all(ours)
+        step_all(theirs)
+
+
 def same(first: Any, second: Any) -> bool:
     """Bitwise equal, through the lists and dicts of optimizer state."""
     if isinstance(first, torch.Tensor):
@@ -88,13 +101,7 @@ def direct_case(rank: int, world_size: int, steps: int = 3) -> dict[str, Any]:
         sharded = gs.shard(model, groups_for(model, case), unit=OddBlock, strategy=strategy)
         ours = optimizers_for(sharded.optimizer_groups(), case, whole=True)
         theirs = optimizers_for(groups_for(reference, case), case, whole=False)
-        for step in range(steps):
-            grads = full_gradients(reference, step)
-            set_shard_grads(sharded, grads)
-            for name, param in reference.named_parameters():
-                param.grad = grads[name].clone()
-            step_all(ours)
-            step_all(theirs)
+        step_side_by_side(sharded, reference, ours, theirs, steps)
         different = mismatches(gs.full_state_dict(sharded), reference.state_dict())
         state_same = None
         if case != "muon":  # one optimizer over every group: the plain format
@@ -331,13 +338,7 @@ def hybrid_case(rank: int, world_size: int, steps: int = 3) -> list[str]:
     sharded = gs.shard(model, groups_for(model, "adafactor"), unit=OddBlock, mesh=mesh)
     ours = optimizers_for(sharded.optimizer_groups(), "adafactor", whole=True)
     theirs = optimizers_for(groups_for(reference, "adafactor"), "adafactor", whole=False)
-    for step in range(steps):
-        grads = full_gradients(reference, step)
-        set_shard_grads(sharded, grads)
-        for name, param in reference.named_parameters():
-            param.grad = grads[name].clone()
-        step_all(ours)
-        step_all(theirs)
+    step_side_by_side(sharded, reference, ours, theirs, steps)
     return mismatches(gs.full_state_dict(sharded), reference.state_dict())
 
 
