@@ -165,6 +165,34 @@ def test_gradient_missing_in_one_step_leaves_the_parameter_alone(run_ranks, worl
     assert max(run_ranks(world_size, missing_gradient_case)) <= TOLERANCE
 
 
+def empty_group_case(rank, world_size):
+    """An empty param group (torch.optim accepts one) has no bucket; the others step as
+    torch's AdamW."""
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(7, 5)), nn.Parameter(torch.randn(3))]
+    reference = [nn.Parameter(p.detach().clone()) for p in params]
+    groups = [{"params": []}, {"params": params[:1]}, {"params": params[1:], "lr": 0.1}]
+    reference_groups = [
+        {"params": []}, {"params": reference[:1]}, {"params": reference[1:], "lr": 0.1}
+    ]
+    zero = gs.ZeroRedundancyOptimizer(groups, torch.optim.AdamW, lr=0.01)
+    reference_opt = torch.optim.AdamW(reference_groups, lr=0.01)
+    for step in range(3):
+        generator = torch.Generator().manual_seed(step)
+        for param, ref in zip(params, reference, strict=True):
+            param.grad = torch.randn(param.shape, generator=generator)
+            ref.grad = param.grad.clone()
+        zero.step()
+        reference_opt.step()
+    assert [len(g["params"]) for g in zero.param_groups] == [0, 1, 1]
+    return max((p - r).abs().max().item() for p, r in zip(params, reference, strict=True))
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_an_empty_param_group_is_accepted(run_ranks, world_size):
+    assert max(run_ranks(world_size, empty_group_case)) <= TOLERANCE
+
+
 @pytest.mark.parametrize(
     ("params", "error", "message"),
     [

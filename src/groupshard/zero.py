@@ -108,7 +108,7 @@ def _bucket_positions(
             numel = 0
         runs[-1].append(position)
         numel += param.numel()
-    return runs
+    return [run for run in runs if run]  # an empty param group has no bucket
 
 
 def _close(a: float, b: float) -> bool:
