@@ -475,7 +475,7 @@ def shard(
     units = _shard_units(model, plan, layouts, params, sharding, options, policies, materialize)
     runtime = ShardedRuntime(units, options)
     runtime.register_hooks()
-    state = ShardingState(groups, plan, runtime, params, ranks, sharding)
+    state = ShardingState(groups, plan, runtime, params, sharding)
     model.groupshard = state  # type: ignore[assignment]
     cls = model.__class__
     model.__class__ = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {})
@@ -515,13 +515,12 @@ def _shard_units(
         storages = [
             FlatStorage(
                 layout,
-                sharding.shard,
+                sharding,
                 params,
                 sync,
                 compute_dtype=policy.compute_dtype(layout.dtype),
                 reduce_dtype=policy.gradient_dtype(layout.dtype),
                 unsharded=flats.get(layout.dtype),
-                mesh=sharding,
             )
             for layout in layouts[name]
         ]

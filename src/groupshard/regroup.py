@@ -348,12 +348,11 @@ def _rebuild_storage(
     _free_old_shards(old, gathered.values())
     new = FlatStorage(
         rebuild.layout,
-        old.ranks,
+        state.mesh,
         originals,
         sync_from_rank0=False,
         compute_dtype=old.compute_dtype,
         reduce_dtype=old.reduce_dtype,
-        mesh=state.mesh,
     )
     for shard, buffer in zip(new.shards, rebuild.layout.buffers, strict=True):
         entries = [per_fqn.pop(slot.fqn, None) for slot in buffer.params]

@@ -31,16 +31,19 @@ class ShardingState:
         plan: UnitPlan,
         runtime: ShardedRuntime,
         original_params: dict[str, nn.Parameter],
-        ranks: comm.Ranks,
-        mesh: MeshRanks | None = None,
+        mesh: MeshRanks,
     ) -> None:
         self.groups = groups
         self.plan = plan
         self.runtime = runtime
         self.original_params = original_params  # FQN -> the user's tensor, now its piece
-        self.ranks = ranks  # every rank of the model (the world)
-        self.mesh = mesh or MeshRanks.flat(ranks)  # its shard and replicate groups
+        self.mesh = mesh  # its world, shard and replicate groups
         self.originals_registered = False  # inside summon_full_params / originals_installed
+
+    @property
+    def ranks(self) -> comm.Ranks:
+        """Every rank of the model (the world)."""
+        return self.mesh.world
 
     @property
     def storages(self) -> list[FlatStorage]:

@@ -52,17 +52,15 @@ class FlatStorage:
     def __init__(
         self,
         layout: StorageLayout,
-        ranks: comm.Ranks,
+        mesh: MeshRanks,
         params: Mapping[str, torch.Tensor],
         sync_from_rank0: bool,
         compute_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
         unsharded: torch.Tensor | None = None,
-        mesh: MeshRanks | None = None,
     ) -> None:
         self.layout = layout
-        self.ranks = ranks  # the shard group
-        mesh = mesh or MeshRanks.flat(ranks)
+        self.ranks = ranks = mesh.shard  # the shard group
         self.replicas = mesh.replicate  # hold the same shards; gradients all-reduced across
         self.world = mesh.world  # every rank of the model
         self.replicated = layout.world_size == 1

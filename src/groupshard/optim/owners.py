@@ -366,13 +366,9 @@ class OwnerExchange:
         the first difference."""
         signatures = comm.gather_objects((extra, self.signature()), self.ranks)
         self.checked = True
-        ours_extra, ours = signatures[0]
-        for rank, (other_extra, other) in enumerate(signatures):
-            if other_extra != ours_extra:
-                raise ValueError(
-                    f"{who}: ranks were given different optimizers: {ours_extra} on rank 0 "
-                    f"but {other_extra} on rank {rank}; build it alike on every rank."
-                )
+        raise_if_options_differ(who, [other_extra for other_extra, _ in signatures])
+        ours = signatures[0][1]
+        for rank, (_, other) in enumerate(signatures):
             if other != ours:
                 first = next(
                     (i for i, (a, b) in enumerate(zip(ours, other, strict=False)) if a != b),
@@ -386,6 +382,17 @@ class OwnerExchange:
                     "the optimizer from the same param groups on every rank "
                     "(model.optimizer_groups())."
                 )
+
+
+def raise_if_options_differ(who: str, gathered: Sequence[Any]) -> None:
+    """Fail (on every rank: each has ``gathered``, every rank's optimizer options) where a
+    rank's differ from rank 0's."""
+    for rank, other in enumerate(gathered):
+        if other != gathered[0]:
+            raise ValueError(
+                f"{who}: ranks were given different optimizers: {gathered[0]} on rank 0 "
+                f"but {other} on rank {rank}; build it alike on every rank."
+            )
 
 
 def by_process_group(

@@ -29,8 +29,14 @@ import torch
 
 from groupshard import comm, flatten
 from groupshard.gradients import SHARDS_ACCEPTED_ATTR, without_grad_in_step
+from groupshard.optim import muon
 from groupshard.optim.common import evaluate_closure
-from groupshard.optim.owners import OwnerExchange, Ownership, by_process_group
+from groupshard.optim.owners import (
+    OwnerExchange,
+    Ownership,
+    by_process_group,
+    raise_if_options_differ,
+)
 from groupshard.segments import segments_of
 
 WHO = "gs.optim.WholeParamOptimizer"
@@ -42,8 +48,7 @@ def newton_schulz_cost(shape: tuple[int, ...]) -> float:
     """Muon's work for a parameter: ``rows * cols * min(rows, cols)`` (conv weights flattened)."""
     if len(shape) < 2:
         return float(math.prod(shape))
-    rows, cols = shape[0], math.prod(shape[1:])
-    return float(rows * cols * min(rows, cols))
+    return float(muon.newton_schulz_cost(shape[0], math.prod(shape[1:])))
 
 
 def preconditioner_cost(shape: tuple[int, ...]) -> float:
@@ -287,7 +292,9 @@ class WholeParamOptimizer(torch.optim.Optimizer):
                     continue
                 if id(segments.ranks.group) not in checked:
                     checked.add(id(segments.ranks.group))
-                    _check_same(self._signature(), segments.ranks)
+                    raise_if_options_differ(
+                        WHO, comm.gather_objects(self._signature(), segments.ranks)
+                    )
         self._checked = True
 
     def _keep_group_state(self) -> None:
@@ -544,11 +551,3 @@ class WholeParamOptimizer(torch.optim.Optimizer):
         self.load_fqn_state(state_dict["state"])
 
 
-def _check_same(signature: Any, ranks: comm.Ranks) -> None:
-    gathered = comm.gather_objects(signature, ranks)
-    for rank, other in enumerate(gathered):
-        if other != gathered[0]:
-            raise ValueError(
-                f"{WHO}: ranks were given different optimizers: {gathered[0]} on rank 0 but "
-                f"{other} on rank {rank}; build it alike on every rank."
-            )
