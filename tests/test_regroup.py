@@ -165,6 +165,32 @@ def test_regroup_under_hybrid_sharding(run_ranks) -> None:
         assert difference < 1e-5, (case, difference)
 
 
+def test_regroup_refuses_gradients_held_for_the_all_reduce_across_replicas(run_ranks):
+    """After a backward with set_requires_all_reduce(False) the shards' gradients wait on
+    each rank for the all-reduce across replicas; re-laying out would drop them."""
+    for message in run_ranks(4, _held_gradients_case, timeout=240):
+        assert "gs.regroup with gradients in units" in message, message
+
+
+def _held_gradients_case(rank: int, world_size: int) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = _model()
+    names = [n for n, _ in model.named_parameters()]
+    sharded = gs.shard(model, _as_dicts(_phase_groups(names, 0), model), unit=Block, mesh=mesh)
+    opt = torch.optim.AdamW(sharded.optimizer_groups(), lr=3e-3)
+    sharded.set_requires_all_reduce(False)
+    inputs, targets = global_batches(1, world_size)[0]
+    local = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
+    sharded(inputs[local], targets[local]).backward()
+    for shard in sharded.parameters():
+        shard.grad = None  # only the gradients held for the replicas are left
+    with pytest.raises(ValueError) as error:
+        gs.regroup(sharded, opt, _as_dicts(_phase_groups(names, 1), sharded))
+    return str(error.value)
+
+
 def test_regroup_with_layerwise_optimizers(run_ranks) -> None:
     """LARS, and the LARC and AGC wrappers (their inner optimizer's groups and state),
     through the same changes at world 2."""

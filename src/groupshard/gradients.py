@@ -228,6 +228,12 @@ class StorageGradients:
         _accumulating.add(self)
         return None
 
+    @property
+    def holds_unreduced(self) -> bool:
+        """Whether backwards left gradients here that no synced reduction took along: sums
+        without sync, or shards not yet all-reduced across replicas."""
+        return self.accumulated is not None or self.partial is not None
+
     def take_accumulated(self) -> torch.Tensor | None:
         """What backwards without sync accumulated and no synced backward reduced yet."""
         grad, self.accumulated = self.accumulated, None
@@ -329,8 +335,7 @@ def _refuse_unreduced_gradients(optimizer: torch.optim.Optimizer) -> None:
     waiting = [
         book
         for book in list(_accumulating)
-        if (book.accumulated is not None or book.partial is not None)
-        and any(id(s) in stepped for s in book.shards)
+        if book.holds_unreduced and any(id(s) in stepped for s in book.shards)
     ]
     if waiting:
         units = list(dict.fromkeys(book.layout.unit_name or "<root>" for book in waiting))

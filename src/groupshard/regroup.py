@@ -188,7 +188,7 @@ def _check_between_steps(state: ShardingState) -> None:
     with_grad = [
         storage.layout.unit_name or "<root>"
         for storage in state.storages
-        if storage.gradients.accumulated is not None
+        if storage.gradients.holds_unreduced
         or any(shard.grad is not None for shard in storage.trainable_shards)
     ]
     if with_grad:
