@@ -83,14 +83,21 @@ def optimizer_classes() -> dict[str, tuple[type, dict[str, Any], Any]]:
     }
 
 
+KINDS = {  # per optimizer, the systems it runs on
+    "Adafactor": ("DDP", "groupshard", "groupshard measured", "FSDP2"),
+    "SOAP": ("DDP", "groupshard", "FSDP2"),
+}
+
+
 def build(kind: str, name: str, base: nn.Module) -> tuple[nn.Module, Any]:
     cls, options, cost = optimizer_classes()[name]
     model = copy.deepcopy(base)
     if kind == "DDP":
         return DistributedDataParallel(model), cls(decay_groups(model), **options)
-    if kind == "groupshard":
+    if kind.startswith("groupshard"):
         sharded = gs.shard(model, decay_groups(model), unit=Block, strategy="full")
         groups = sharded.optimizer_groups()
+        cost = "measured" if kind == "groupshard measured" else cost
         return sharded, gs.optim.WholeParamOptimizer(groups, cls, cost=cost, **options)
     from torch.distributed.fsdp import fully_shard
 
@@ -104,12 +111,13 @@ def row_name(kind: str, name: str) -> str:
     return {
         "DDP": f"DDP + {name}",
         "groupshard": f"groupshard full + WholeParamOptimizer({name})",
+        "groupshard measured": f'groupshard full + WholeParamOptimizer({name}, cost="measured")',
         "FSDP2": f"FSDP2 + {name}",
     }[kind]
 
 
 def full_params(kind: str, model: Any) -> dict[str, torch.Tensor]:
-    if kind == "groupshard":
+    if kind.startswith("groupshard"):
         return {k: v.float() for k, v in gs.full_state_dict(model).items()}
     if kind == "DDP":
         return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
@@ -138,8 +146,11 @@ def state_bytes(optimizer: Any) -> int:
     return sum(tensor_bytes(state) for states_ in states for state in states_.values())
 
 
-def one_step(model: Any, optimizer: Any, tokens: torch.Tensor) -> tuple[float, float, bool]:
-    """Forward, backward, then the optimizer step timed: (wall s, CPU s, whether it ran)."""
+def one_step(model: Any, optimizer: Any, tokens: torch.Tensor) -> tuple[float, float, float]:
+    """Forward, backward, then the optimizer step timed: (optimizer step wall s, its CPU s,
+    the whole step's wall s: forward, backward and optimizer step, from a barrier)."""
+    dist.barrier()
+    started = time.perf_counter()
     logits_loss = model(tokens[:, :-1], tokens[:, 1:])
     loss = logits_loss[1] if isinstance(logits_loss, tuple) else logits_loss
     loss.backward()
@@ -147,8 +158,10 @@ def one_step(model: Any, optimizer: Any, tokens: torch.Tensor) -> tuple[float, f
     wall, cpu = time.perf_counter(), time.process_time()
     optimizer.step()
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    dist.barrier()
+    whole = time.perf_counter() - started
     optimizer.zero_grad()
-    return wall, cpu, True
+    return wall, cpu, whole
 
 
 def _worker(rank: int, args: argparse.Namespace, store_path: str, result_path: str) -> None:
@@ -160,11 +173,11 @@ def _worker(rank: int, args: argparse.Namespace, store_path: str, result_path: s
     rows: dict[str, dict[str, Any]] = {}
     built: dict[str, tuple[str, Any, Any]] = {}
     for name in optimizer_classes():
-        for kind in ("DDP", "groupshard", "FSDP2"):
+        for kind in KINDS[name]:
             model, optimizer = build(kind, name, base)
             built[row_name(kind, name)] = (kind, model, optimizer)
             rows[row_name(kind, name)] = {"optimizer": name, "kind": kind, "wall_ms": [],
-                                          "cpu_ms": [], "error": None}  # fmt: skip
+                                          "cpu_ms": [], "step_ms": [], "error": None}  # fmt: skip
     compute: dict[str, list[float] | None] = {name: None for name in built}
     names = list(built)
     steps = args.warmup + args.rounds
@@ -180,7 +193,7 @@ def _worker(rank: int, args: argparse.Namespace, store_path: str, result_path: s
             if compute[name] is None:  # a WholeParamOptimizer builds its inner ones at step 1
                 compute[name] = _time_inner_steps(optimizer)
             try:
-                wall, cpu, _ = one_step(model, optimizer, tokens)
+                wall, cpu, whole = one_step(model, optimizer, tokens)
             except Exception as error:  # FSDP2 + an optimizer that cannot take DTensors
                 row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
                 continue
@@ -188,6 +201,7 @@ def _worker(rank: int, args: argparse.Namespace, store_path: str, result_path: s
             if index >= args.warmup:
                 row["wall_ms"].append(wall * 1e3)
                 row["cpu_ms"].append(cpu * 1e3)
+                row["step_ms"].append(whole * 1e3)
                 if inner is not None:
                     row.setdefault("compute_ms", []).append(sum(inner) * 1e3)
             if inner is not None:
@@ -224,7 +238,7 @@ def _time_inner_steps(optimizer: Any) -> list[float] | None:
     if optimizer._whole_optimizer is None:
         return None  # not built yet
     seconds: list[float] = []
-    for inner in (optimizer._whole_optimizer, optimizer._shard_optimizer):
+    for inner in optimizer._inners():
         step = inner.step
 
         def timed(*args: Any, step: Any = step, **kwargs: Any) -> Any:
@@ -250,6 +264,7 @@ def report(args: argparse.Namespace, per_rank: list[dict[str, Any]]) -> dict[str
         rows[name] = {
             "optimizer": row["optimizer"], "kind": row["kind"], "error": row["error"],
             "wall_ms_rounds": row["wall_ms"], "optimizer_ms": _median(row["wall_ms"]),
+            "step_ms": _median(row["step_ms"]),
             "cpu_ms_per_rank": cpu, "cpu_ms": max(cpu) if cpu else None,
             "state_bytes_per_rank": [r[name]["state_bytes"] for r in per_rank],
             "max_difference_vs_ddp": row.get("max_difference_vs_ddp"),
@@ -273,6 +288,7 @@ def report(args: argparse.Namespace, per_rank: list[dict[str, Any]]) -> dict[str
         pairs = zip(row["wall_ms_rounds"], ddp["wall_ms_rounds"], strict=False)
         row["ratio_to_ddp_paired"] = statistics.median(a / b for a, b in pairs)
         row["cpu_ratio_to_ddp"] = row["cpu_ms"] / ddp["cpu_ms"]
+        row["step_ratio_to_ddp"] = row["step_ms"] / ddp["step_ms"]
         if "compute_ms" in row:
             row["compute_ratio_to_ddp"] = row["compute_ms"] / ddp["optimizer_ms"]
         row["state_ratio_to_ddp"] = max(row["state_bytes_per_rank"]) / max(
@@ -290,7 +306,8 @@ def report(args: argparse.Namespace, per_rank: list[dict[str, Any]]) -> dict[str
 def print_report(result: dict[str, Any]) -> None:
     print(f"world {result['world_size']}, {result['rounds']} rounds (optimizer step only)")
     print(f"{'system':52} {'opt ms':>8} {'cpu ms':>8} {'/DDP':>6} {'paired':>6} {'cpu/DDP':>7} "
-          f"{'state MiB':>9} {'balance':>7} {'diff':>8}")  # fmt: skip
+          f"{'cmp/DDP':>7} {'step ms':>8} {'/DDP':>6} {'state MiB':>9} {'balance':>7} "
+          f"{'diff':>8}")  # fmt: skip
     for name, row in result["rows"].items():
         if row["error"]:
             print(f"{name:52} fails: {row['error']}")
@@ -303,7 +320,9 @@ def print_report(result: dict[str, Any]) -> None:
         state = max(row["state_bytes_per_rank"]) / 2**20
         print(f"{name:52} {f('optimizer_ms', '8.1f')} {f('cpu_ms', '8.1f')} "
               f"{f('ratio_to_ddp', '6.2f')} {f('ratio_to_ddp_paired', '6.2f')} "
-              f"{f('cpu_ratio_to_ddp', '7.2f')} {state:9.2f} {f('balance', '7.3f')} "
+              f"{f('cpu_ratio_to_ddp', '7.2f')} {f('compute_ratio_to_ddp', '7.2f')} "
+              f"{f('step_ms', '8.1f')} {f('step_ratio_to_ddp', '6.2f')} "
+              f"{state:9.2f} {f('balance', '7.3f')} "
               f"{f('max_difference_vs_ddp', '8.1e')}")  # fmt: skip
 
 

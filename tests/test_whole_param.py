@@ -26,6 +26,7 @@ CASES: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "shampoo": (Shampoo, {"lr": 1e-3, "momentum": 0.9}),
     "muon": (torch.optim.Muon, {"lr": 0.02, "weight_decay": 0.1}),
     "adamw-shards": (torch.optim.AdamW, {"lr": 1e-2}),
+    "adafactor-measured": (torch.optim.Adafactor, {"lr": 1e-2}),  # cost="measured"
 }
 
 
@@ -47,7 +48,8 @@ def optimizers_for(groups: list[dict[str, Any]], case: str, whole: bool) -> list
 
     def make(chosen: list[dict[str, Any]]) -> torch.optim.Optimizer:
         if whole:
-            return gs.optim.WholeParamOptimizer(chosen, cls, **options)
+            cost = "measured" if case.endswith("measured") else None
+            return gs.optim.WholeParamOptimizer(chosen, cls, cost=cost, **options)
         return cls(chosen, **options)
 
     if case == "muon":
@@ -118,14 +120,17 @@ def direct_case(rank: int, world_size: int, steps: int = 3) -> dict[str, Any]:
             "states by name": len(by_name["state"]) if reloaded else 0,
             "straddling": straddling(sharded, range(len(sharded.optimizer_groups()))),
             "balance": [report.balance for report in ours[0].ownership()],
+            "costs": [report.cost_per_rank for report in ours[0].ownership()],
         }
-    results["tied and frozen"] = edge_case(steps)
+    results["tied and frozen"] = edge_case(rank, world_size, steps)
     return results
 
 
-def edge_case(steps: int) -> dict[str, Any]:
+def edge_case(rank: int, world_size: int, steps: int) -> dict[str, Any]:
     """Adafactor on a GPT with a tied embedding and head, a frozen parameter, a unit of
-    biases only and 0-d and 1-element parameters; its weights loaded anew between steps."""
+    biases only and 0-d and 1-element parameters; its weights loaded anew between steps,
+    then written in place on the last rank alone (whose flag must bring the values of its
+    pieces to every owner)."""
     torch.manual_seed(0)
     model = EdgeGPT()
     reference = copy.deepcopy(model)
@@ -137,6 +142,13 @@ def edge_case(steps: int) -> dict[str, Any]:
             edited = {k: v + 0.01 * (k.count(".") + 1) for k, v in reference.state_dict().items()}
             reference.load_state_dict(edited)
             gs.load_full_state_dict(sharded, edited)
+        if step == 2:
+            if rank == world_size - 1:
+                with torch.no_grad():
+                    for group in sharded.optimizer_groups():
+                        for shard in group["params"]:
+                            shard.mul_(0.9)
+            reference.load_state_dict(gs.full_state_dict(sharded))
         grads = full_gradients(reference, step)
         set_shard_grads(sharded, grads)
         for name, param in reference.named_parameters():
@@ -166,8 +178,40 @@ def test_one_process_equals_each_optimizer_bitwise():
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_sharded_equals_each_optimizer_on_one_process_bitwise(run_ranks, world_size):
-    for results in run_ranks(world_size, direct_case):
+    per_rank = run_ranks(world_size, direct_case)
+    for results in per_rank:
         check_direct(results, world_size)
+    # cost="measured": timings differ per rank, the costs (and so the owners) agree
+    measured = [results["adafactor-measured"]["costs"] for results in per_rank]
+    assert all(costs == measured[0] for costs in measured), measured
+    assert all(0 < cost < 1 for cost in measured[0][0]), measured[0]  # seconds
+
+
+def measure_case(rank: int, world_size: int) -> list[str]:
+    """optim.measure.measured_costs with stand-in timers: the median over the ranks;
+    a rank with other keys, or whose timer fails, makes every rank raise."""
+    from groupshard import comm
+    from groupshard.optim.measure import measured_costs
+
+    ranks = comm.resolve_ranks()
+    keys = [(0, (4, 3), "torch.float32"), (1, (5,), "torch.float32")]
+    agreed = measured_costs(keys, lambda key: float(rank + key[0]), ranks, "who")
+    found = [repr(agreed)]
+    other = keys[:1] if rank == 1 else keys
+    for timer_keys, timer in ((other, lambda key: 1.0), (keys, lambda key: 1 / (rank != 1))):
+        try:
+            measured_costs(timer_keys, timer, ranks, "who")
+        except (ValueError, RuntimeError, ZeroDivisionError) as error:
+            found.append(f"{type(error).__name__}: {error}")
+    return found
+
+
+def test_measured_costs_agree_and_fail_on_every_rank(run_ranks):
+    for rank, found in enumerate(run_ranks(3, measure_case)):
+        median = {(0, (4, 3), "torch.float32"): 1.0, (1, (5,), "torch.float32"): 2.0}
+        assert found[0] == repr(median), found[0]
+        assert found[1].startswith("ValueError: who: ranks hold different parameters"), found
+        assert "division by zero" in found[2], (rank, found[2])
 
 
 # --- through backward: parameters without a gradient ------------------------------------

@@ -346,7 +346,7 @@ class Muon(torch.optim.Optimizer):
         others hold pieces of), in bfloat16 as NS's first op would cast them, and start the
         all-to-all to their owners (no gradient here: zeros, nothing applied)."""
         flats = [updates.get(id(param)) for param in exchange.params]
-        send = exchange.pack([flats], NS_DTYPE)
+        send = exchange.pack(flats, NS_DTYPE)
         received, pending = exchange.to_owners(send)
         return flats, send, received, pending
 

@@ -10,11 +10,14 @@ the segment maps: nothing is communicated to agree on it, nothing saved.
 Buffers of one exchange, per rank ``me``:
 
 - *to owners*: destination-major; per destination the pieces ``me`` holds of the
-  parameters that rank owns, in parameter order; with several payloads (gradient, value)
-  each destination's chunk holds payload 0's pieces, then payload 1's;
-- *received*: source-major; per source its pieces of the parameters ``me`` owns, in
-  order: concatenating a parameter's pieces in rank order gives it flattened;
-- the trip *back* uses the same two layouts with one payload, the roles swapped.
+  parameters that rank owns, in parameter order; *flagged*, each destination's chunk
+  starts with one element, the same to every rank (a fact every rank must learn: whether
+  its shards were written since the last step), so that it travels with the pieces
+  instead of in a collective of its own;
+- *received*: source-major; per source (after its flag, when flagged) its pieces of the
+  parameters ``me`` owns, in order: concatenating a parameter's pieces in rank order gives
+  it flattened;
+- the trip *back* uses the same two layouts unflagged, the roles swapped.
 """
 
 from __future__ import annotations
@@ -68,8 +71,10 @@ def _rebalance(costs: Sequence[float], owners: list[int], start: Sequence[float]
                 for other in others:
                     delta = costs[index] - (costs[other] if other >= 0 else 0.0)
                     larger = max(loads[top] - delta, loads[rank] + delta)
-                    if delta > 0 and larger < loads[top] and (
-                        best is None or (larger, rank, index, other) < best
+                    if (
+                        delta > 0
+                        and larger < loads[top]
+                        and (best is None or (larger, rank, index, other) < best)
                     ):
                         best = (larger, rank, index, other)
         if best is None:
@@ -158,7 +163,7 @@ class Ownership:
     rank: int
     owners: dict[str, int]  # parameter name (FQN) -> owner rank
     cost_per_rank: list[float]  # the owners' cost (see the optimizer's cost) per rank
-    elements_sent: int  # of this rank's shards to other owners (and back), per payload
+    elements_sent: int  # of this rank's shards to other owners (and back)
     elements_received: int  # of this rank's owned parameters from other ranks (and back)
     bytes_per_step: int  # this rank sends per step, both trips (it receives as many)
 
@@ -234,12 +239,15 @@ class OwnerExchange:
         at all: only the others' pieces are in the buffers."""
         size, me = self.ranks.size, self.ranks.rank
         moved = [t.numels[t.owner] != t.numel for t in self.tensors]
-        self.send_order = [  # indices of the tensors whose piece this rank sends, in order
-            index
+        self.sends_to = [  # per destination, the tensors whose piece this rank sends it
+            [
+                index
+                for index, t in enumerate(self.tensors)
+                if t.owner == rank and t.numels[me] and moved[index]
+            ]
             for rank in range(size)
-            for index, t in enumerate(self.tensors)
-            if t.owner == rank and t.numels[me] and moved[index]
         ]
+        self.send_order = [index for indices in self.sends_to for index in indices]
         self.send_splits = [
             sum(
                 t.numels[me] for t, m in zip(self.tensors, moved, strict=True) if m and t.owner == r
@@ -271,62 +279,80 @@ class OwnerExchange:
         return flat.view(-1)[t.local_start : t.local_start + numel]
 
     def pack(
-        self, payloads: Sequence[Sequence[torch.Tensor | None]], dtype: torch.dtype
+        self,
+        flats: Sequence[torch.Tensor | None],
+        dtype: torch.dtype,
+        flag: float | None = None,
     ) -> torch.Tensor:
-        """The buffer to the owners: per destination, per payload, this rank's pieces.
+        """The buffer to the owners: per destination (after ``flag``, when given), this
+        rank's pieces.
 
-        ``payloads[p][k]`` is payload ``p`` of the exchange's sharded parameter ``k`` (laid
-        out like it), or None to send zeros (it has no gradient here).
+        ``flats[k]`` is laid out like the exchange's sharded parameter ``k``, or None to
+        send zeros (it has no gradient here).
         """
         device = self.params[0].device
         me = self.ranks.rank
+        header = [] if flag is None else [torch.full((1,), flag, dtype=dtype, device=device)]
         sources: list[torch.Tensor] = []
-        for rank in range(self.ranks.size):
-            mine = [i for i in self.send_order if self.tensors[i].owner == rank]
-            for flats in payloads:
-                for index in mine:
-                    flat = flats[self.tensors[index].param]
-                    if flat is None:
-                        numel = self.tensors[index].numels[me]
-                        sources.append(torch.zeros(numel, dtype=dtype, device=device))
-                    else:
-                        sources.append(self.local_piece(flat, index))
-        send = torch.empty(sum(self.send_splits) * len(payloads), dtype=dtype, device=device)
+        for indices in self.sends_to:
+            sources.extend(header)
+            for index in indices:
+                flat = flats[self.tensors[index].param]
+                if flat is None:
+                    numel = self.tensors[index].numels[me]
+                    sources.append(torch.zeros(numel, dtype=dtype, device=device))
+                else:
+                    sources.append(self.local_piece(flat, index))
+        send = torch.empty(
+            sum(self.send_splits) + len(header) * self.ranks.size, dtype=dtype, device=device
+        )
         if sources:
             torch.cat(sources, out=send)  # casts to ``dtype``
         return send
 
-    def to_owners(self, send: torch.Tensor, payloads: int = 1) -> tuple[torch.Tensor, comm.Pending]:
+    def to_owners(
+        self, send: torch.Tensor, flagged: bool = False
+    ) -> tuple[torch.Tensor, comm.Pending]:
         """Start the all-to-all of ``send`` (``pack``'s) to the owners; the receive buffer."""
-        received = send.new_empty(sum(self.recv_splits) * payloads)
+        extra = int(flagged)
+        received = send.new_empty(sum(self.recv_splits) + extra * self.ranks.size)
         pending = comm.all_to_all(
-            received, send, [n * payloads for n in self.recv_splits],
-            [n * payloads for n in self.send_splits], self.ranks, async_op=True,
+            received, send, [n + extra for n in self.recv_splits],
+            [n + extra for n in self.send_splits], self.ranks, async_op=True,
         )  # fmt: skip
         return received, pending
 
+    def _received_starts(self, flagged: bool) -> list[int]:
+        """Where each source's chunk of pieces starts in the received buffer."""
+        starts, offset = [], 0
+        for split in self.recv_splits:
+            starts.append(offset + int(flagged))
+            offset += split + int(flagged)
+        return starts
+
     def received_pieces(
-        self, received: torch.Tensor, position: int, payload: int = 0, payloads: int = 1
+        self, received: torch.Tensor, position: int, flagged: bool = False
     ) -> list[torch.Tensor]:
         """Views of ``received`` holding the pieces, in rank order, of ``self.owned[position]``."""
-        starts = [0]
-        for split in self.recv_splits:
-            starts.append(starts[-1] + split * payloads)
+        starts = self._received_starts(flagged)
         return [
-            received[begin : begin + numel]
+            received[starts[rank] + offset : starts[rank] + offset + numel]
             for rank, offset, numel in self.recv_places[position]
-            for begin in [starts[rank] + payload * self.recv_splits[rank] + offset]
         ]
 
+    def received_flags(self, received: torch.Tensor) -> torch.Tensor:
+        """Every rank's flag, in rank order, from a flagged received buffer."""
+        return received[[start - 1 for start in self._received_starts(True)]]
+
     def back(self, values: torch.Tensor, into: torch.Tensor) -> comm.Pending:
-        """Start the all-to-all from the owners: ``values`` in the (one-payload) received
-        layout go back into ``into``, in the (one-payload) layout sent to the owners."""
+        """Start the all-to-all from the owners: ``values`` in the (unflagged) received
+        layout go back into ``into``, in the (unflagged) layout sent to the owners."""
         return comm.all_to_all(
             into, values, self.send_splits, self.recv_splits, self.ranks, async_op=True
         )
 
     def returned_pieces(self, returned: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-        """``(tensor index, view)`` of each piece in the one-payload layout sent to owners."""
+        """``(tensor index, view)`` of each piece in the (unflagged) layout sent to owners."""
         me, offset, found = self.ranks.rank, 0, []
         for index in self.send_order:
             numel = self.tensors[index].numels[me]
@@ -342,9 +368,9 @@ class OwnerExchange:
             loads[t.owner] += t.cost
         return loads
 
-    def ownership(self, element_size: int, payloads: int = 1) -> Ownership:
-        """The report, for ``payloads`` payloads to the owners and one back, of
-        ``element_size`` bytes an element."""
+    def ownership(self, element_size: int) -> Ownership:
+        """The report, for one payload to the owners and one back, of ``element_size``
+        bytes an element."""
         me = self.ranks.rank
         sent = sum(s for rank, s in enumerate(self.send_splits) if rank != me)
         received = sum(r for rank, r in enumerate(self.recv_splits) if rank != me)
@@ -352,7 +378,7 @@ class OwnerExchange:
             world_size=self.ranks.size, rank=me,
             owners={t.fqn: t.owner for t in self.tensors}, cost_per_rank=self.costs(),
             elements_sent=sent, elements_received=received,
-            bytes_per_step=(sent * payloads + received) * element_size,
+            bytes_per_step=(sent + received) * element_size,
         )  # fmt: skip
 
     def signature(self) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:

@@ -6,12 +6,13 @@ moments, Shampoo's and SOAP's preconditioners, Muon's Newton-Schulz) cannot step
 flat shard. Here every original parameter of the sharded groups has one owner rank
 (``optim.owners``: cost-balanced, the same on every rank). Per step and process group:
 
-1. one all-to-all sends each rank's pieces of the gradients to their owners (and of the
-   values, when a shard was written since the last step: a load, an edit), while the
-   groups with ``"whole": False`` step on their shards;
-2. each owner assembles whole gradients and values, in the original shapes, and steps
-   them with an unmodified ``optimizer_class`` instance (one for all its parameters, so
-   per-group counters and foreach kernels behave as on one process);
+1. one all-to-all sends each rank's pieces of the gradients to their owners, headed by a
+   flag saying whether its shards were written since the last step (a load, an edit:
+   then the values travel too, in a second one), while the groups with ``"whole": False``
+   step on their shards and each rank steps the whole parameters its shards hold;
+2. each owner assembles the other whole gradients (and values), in the original shapes,
+   and steps them with an unmodified ``optimizer_class`` instance (a second one over the
+   same groups, sharing the first's state);
 3. one all-to-all sends the updated values back into the shards.
 
 State lives on the owner only, keyed by its whole tensors; ``state_dict`` and
@@ -23,13 +24,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from groupshard import comm, flatten
 from groupshard.gradients import SHARDS_ACCEPTED_ATTR, without_grad_in_step
-from groupshard.optim import muon
+from groupshard.optim import measure, muon
 from groupshard.optim.common import evaluate_closure
 from groupshard.optim.owners import (
     OwnerExchange,
@@ -100,7 +101,9 @@ class WholeParamOptimizer(torch.optim.Optimizer):
             ``torch.optim.Adafactor``, ``torch.optim.Muon``, pytorch-optimizer's ``SOAP``.
         cost: ``cost(shape) -> float``, the owner's work for one parameter, to balance the
             owners (default by family: ``rows * cols * min`` for Muon, ``sum(d ** 3)`` for
-            Shampoo and SOAP, ``numel`` otherwise).
+            Shampoo and SOAP, ``numel`` otherwise); or ``"measured"``: each distinct shape's
+            step timed here, on every rank, at construction and ``add_param_group``, which
+            are then collective (``optim.measure``).
         **defaults: ``optimizer_class``'s arguments (the defaults of every group).
 
     A group with ``"whole": False`` is stepped on its shards directly (one rank's slice
@@ -114,7 +117,7 @@ class WholeParamOptimizer(torch.optim.Optimizer):
         params: Iterable[Any],
         optimizer_class: type[torch.optim.Optimizer],
         *,
-        cost: Callable[[tuple[int, ...]], float] | None = None,
+        cost: Callable[[tuple[int, ...]], float] | Literal["measured"] | None = None,
         **defaults: Any,
     ) -> None:
         if not (
@@ -124,9 +127,16 @@ class WholeParamOptimizer(torch.optim.Optimizer):
                 f"{WHO} expects optimizer_class to be a torch.optim.Optimizer subclass but got "
                 f"{optimizer_class!r}"
             )
+        if not (cost is None or cost == "measured" or callable(cost)):
+            raise TypeError(
+                f"{WHO} expects cost to be a function of a shape, 'measured' or None but got "
+                f"{cost!r}"
+            )
         self.optimizer_class = optimizer_class
         self.class_defaults = dict(defaults)
-        self._cost = cost if cost is not None else default_cost(optimizer_class)
+        self._measure = cost == "measured"
+        self._cost = cost if callable(cost) else default_cost(optimizer_class)
+        self._measured: dict[tuple[int, tuple[int, ...], torch.dtype], float] = {}
         probe = optimizer_class([{"params": []}], **defaults)  # its defaults, checked
         self._building = True
         self._owners: dict[str, int] = {}  # FQN -> owner rank, kept once assigned
@@ -134,7 +144,11 @@ class WholeParamOptimizer(torch.optim.Optimizer):
         self._exchanges: list[OwnerExchange] = []
         # the whole tensors that are views of a shard here: (whole, shard, fqn, offset)
         self._local: list[tuple[torch.Tensor, torch.Tensor, str, int]] = []
+        # ``optimizer_class`` instances: over the whole tensors held here (views of shards,
+        # plain tensors), over those assembled from pieces (sharing the former's state),
+        # and over the shards of ``"whole": False`` groups
         self._whole_optimizer: torch.optim.Optimizer | None = None
+        self._assembled_optimizer: torch.optim.Optimizer | None = None
         self._shard_optimizer: torch.optim.Optimizer | None = None
         self._checked = False
         # per exchange, its shards' version counters when the owners' values last matched
@@ -175,8 +189,11 @@ class WholeParamOptimizer(torch.optim.Optimizer):
             by_dtype: dict[torch.dtype, list[tuple[int, torch.Tensor]]] = {}
             for index, param in found:
                 by_dtype.setdefault(param.dtype, []).append((index, param))
-            for part in by_dtype.values():
-                exchange = OwnerExchange(ranks, part, self._group_cost, self._owners, near=True)
+            for dtype, part in by_dtype.items():
+                cost = (
+                    self._measured_cost(ranks, part, dtype) if self._measure else self._group_cost
+                )
+                exchange = OwnerExchange(ranks, part, cost, self._owners, near=True)
                 self._owners.update((t.fqn, t.owner) for t in exchange.tensors)
                 exchanges.append(exchange)
         self._exchanges = exchanges
@@ -186,6 +203,32 @@ class WholeParamOptimizer(torch.optim.Optimizer):
 
     def _group_cost(self, group: int, shape: tuple[int, ...]) -> float:
         return self._cost(shape)
+
+    def _measured_cost(
+        self, ranks: comm.Ranks, part: list[tuple[int, torch.Tensor]], dtype: torch.dtype
+    ) -> Callable[[int, tuple[int, ...]], float]:
+        """``cost="measured"``: the seconds of a step of each (group, shape) among ``part``'s
+        parameters not timed before, agreed over ``ranks`` (collective)."""
+        device = part[0][1].device
+        keys: list[measure.Key] = []
+        for group, param in part:
+            segments = segments_of(param)
+            assert segments is not None
+            for slot in segments.buffer.params:
+                key = (group, tuple(int(n) for n in slot.shape), str(dtype))
+                if slot.numel and (group, key[1], dtype) not in self._measured and key not in keys:
+                    keys.append(key)
+
+        def timer(key: measure.Key) -> float:
+            group, shape, _ = key
+            hyperparameters = self._hyperparameters(self.param_groups[group])
+            return measure.time_step(
+                self.optimizer_class, self.class_defaults, hyperparameters, shape, dtype, device
+            )
+
+        for (group, shape, _), seconds in measure.measured_costs(keys, timer, ranks, WHO).items():
+            self._measured[(group, shape, dtype)] = seconds
+        return lambda group, shape: self._measured.get((group, shape, dtype), 0.0)
 
     def _whole_tensors(self) -> list[list[torch.Tensor]]:
         """Per group, the whole tensors this rank steps: views of shards it holds whole
@@ -231,34 +274,50 @@ class WholeParamOptimizer(torch.optim.Optimizer):
         return per_group
 
     def _build_inner(self, per_group: list[list[torch.Tensor]]) -> None:
-        """One ``optimizer_class`` over the whole tensors (all groups, in order, some
-        empty) and one over the shards of ``"whole": False`` groups; the latter shares
-        this optimizer's ``state`` (the step hooks keep the state of parameters without a
-        gradient there)."""
-        whole_groups = [
-            {**self._hyperparameters(g), "params": wholes}
-            for g, wholes in zip(self.param_groups, per_group, strict=True)
-        ]
-        shard_groups = [
-            {**self._hyperparameters(g), "params": [] if g["whole"] else list(g["params"])}
-            for g in self.param_groups
-        ]
+        """The inner ``optimizer_class`` instances, each over every group (in order, some
+        empty): one over the whole tensors held here, one over those assembled from pieces
+        (two, so that the first steps while the pieces travel; they share one state), one
+        over the shards of ``"whole": False`` groups, which shares this optimizer's
+        ``state`` (the step hooks keep the state of parameters without a gradient there)."""
+        assembled = {
+            id(self._wholes[exchange.tensors[index].fqn])
+            for exchange in self._exchanges
+            for index in exchange.owned
+            if index not in exchange.solo
+        }
+        parts = {
+            "local": [[w for w in wholes if id(w) not in assembled] for wholes in per_group],
+            "assembled": [[w for w in wholes if id(w) in assembled] for wholes in per_group],
+            "shard": [[] if g["whole"] else list(g["params"]) for g in self.param_groups],
+        }
+        groups = {
+            name: [
+                {**self._hyperparameters(g), "params": params}
+                for g, params in zip(self.param_groups, lists, strict=True)
+            ]
+            for name, lists in parts.items()
+        }
         if self._whole_optimizer is None:
-            self._whole_optimizer = self.optimizer_class(whole_groups, **self.class_defaults)
-            self._shard_optimizer = self.optimizer_class(shard_groups, **self.class_defaults)
+            build = self.optimizer_class
+            self._whole_optimizer = build(groups["local"], **self.class_defaults)
+            self._assembled_optimizer = build(groups["assembled"], **self.class_defaults)
+            self._assembled_optimizer.state = self._whole_optimizer.state
+            self._shard_optimizer = build(groups["shard"], **self.class_defaults)
             self._shard_optimizer.state = self.state
             setattr(self._shard_optimizer, SHARDS_ACCEPTED_ATTR, True)  # "whole": False
             return
-        assert self._shard_optimizer is not None
-        for inner, groups in (
-            (self._whole_optimizer, whole_groups),
-            (self._shard_optimizer, shard_groups),
-        ):
-            for index, group in enumerate(groups):
+        for inner, name in zip(self._inners(), groups, strict=True):
+            for index, group in enumerate(groups[name]):
                 if index < len(inner.param_groups):
                     inner.param_groups[index]["params"] = group["params"]
                 else:
                     inner.add_param_group(group)
+
+    def _inners(self) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer, torch.optim.Optimizer]:
+        """The local, assembled and shard instances (see ``_build_inner``)."""
+        assert self._whole_optimizer is not None
+        assert self._assembled_optimizer is not None and self._shard_optimizer is not None
+        return self._whole_optimizer, self._assembled_optimizer, self._shard_optimizer
 
     def ownership(self) -> list[Ownership]:
         """Per process group and dtype: each parameter's owner, the cost per rank and the
@@ -299,26 +358,24 @@ class WholeParamOptimizer(torch.optim.Optimizer):
 
     def _keep_group_state(self) -> None:
         """Group entries the inner optimizer changed in its step (pytorch-optimizer keeps a
-        ``step`` count in each group) into ours, so state dicts and checkpoints have them."""
-        assert self._whole_optimizer is not None and self._shard_optimizer is not None
-        for group, whole, shard in zip(
-            self.param_groups, self._whole_optimizer.param_groups,
-            self._shard_optimizer.param_groups, strict=True,
+        ``step`` count in each group) into ours, so state dicts and checkpoints have them:
+        from the instance that holds the group's parameters here (the instances start each
+        step from ours, ``_sync_hyperparameters``)."""
+        local, assembled, shard = self._inners()
+        for group, *inner in zip(
+            self.param_groups, local.param_groups, assembled.param_groups, shard.param_groups,
+            strict=True,
         ):  # fmt: skip
-            inner = whole if group["whole"] else shard
-            group.update({k: v for k, v in inner.items() if k != "params"})
+            held = [g for g in inner if g["params"]]
+            source = held[0] if held else inner[0] if group["whole"] else inner[2]
+            group.update({k: v for k, v in source.items() if k != "params"})
 
     def _sync_hyperparameters(self) -> None:
         """The groups' current hyperparameters (an LR scheduler edits ours) into the
         inner optimizers."""
-        assert self._whole_optimizer is not None and self._shard_optimizer is not None
-        for group, whole, shard in zip(
-            self.param_groups, self._whole_optimizer.param_groups,
-            self._shard_optimizer.param_groups, strict=True,
-        ):  # fmt: skip
-            hyperparameters = self._hyperparameters(group)
-            whole.update(hyperparameters)
-            shard.update(hyperparameters)
+        for inner in self._inners():
+            for group, theirs in zip(self.param_groups, inner.param_groups, strict=True):
+                theirs.update(self._hyperparameters(group))
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -328,28 +385,33 @@ class WholeParamOptimizer(torch.optim.Optimizer):
         if not self._checked:
             self._check_ranks_agree()
         self._sync_hyperparameters()
-        assert self._whole_optimizer is not None and self._shard_optimizer is not None
+        local, assembled, shard = self._inners()
         started = []
         for exchange in self._exchanges:
-            payloads = [[param.grad for param in exchange.params]]
-            if self._values_changed(exchange):
-                payloads.append([param.detach() for param in exchange.params])
-            send = exchange.pack(payloads, exchange.params[0].dtype)
-            received, pending = exchange.to_owners(send, len(payloads))
-            started.append((received, pending, len(payloads)))
+            grads = [param.grad for param in exchange.params]
+            send = exchange.pack(grads, exchange.params[0].dtype, self._written_flag(exchange))
+            started.append(exchange.to_owners(send, flagged=True))
+        # while the pieces travel to their owners: the shards of "whole": False groups, and
+        # the whole tensors held here
         if any(not g["whole"] and g["params"] for g in self.param_groups):
-            self._shard_optimizer.step()  # while the pieces travel to their owners
+            shard.step()
         without_grad = self._without_grad()
-        for whole, shard, fqn, begin in self._local:
-            grad = shard.grad
+        for whole, sharded, fqn, begin in self._local:
+            grad = sharded.grad
             if grad is None or fqn in without_grad:
                 whole.grad = None
             else:
                 whole.grad = grad.view(-1)[begin : begin + whole.numel()].view(whole.shape)
-        for exchange, (received, pending, payloads) in zip(self._exchanges, started, strict=True):
+        local.step()
+        for exchange, (received, pending) in zip(self._exchanges, started, strict=True):
             pending.wait()
-            self._assemble(exchange, received, without_grad, payloads)
-        self._whole_optimizer.step()
+            values = None
+            if exchange.received_flags(received).any():  # every rank has every flag
+                current = [param.detach() for param in exchange.params]
+                values, pending = exchange.to_owners(exchange.pack(current, current[0].dtype))
+                pending.wait()
+            self._assemble(exchange, received, values, without_grad)
+        assembled.step()
         returns = [self._send_back(exchange) for exchange in self._exchanges]
         for exchange, (into, pending) in zip(self._exchanges, returns, strict=True):
             pending.wait()
@@ -383,38 +445,37 @@ class WholeParamOptimizer(torch.optim.Optimizer):
                     found.update(segments.fqns[i] for i in without_grad_in_step(param))
         return found
 
-    def _values_changed(self, exchange: OwnerExchange) -> bool:
-        """Whether the owners' whole values may differ from the shards, on any rank (one
-        all-reduce of a flag): before the first step, and after anything wrote a shard in
-        place since the last one (a load, another optimizer over the same storage, an edit;
-        the tensors' version counters tell, which writes through ``.data`` bypass)."""
+    def _written_flag(self, exchange: OwnerExchange) -> float:
+        """1.0 where this rank's shards may differ from the owners' whole values: before
+        the first step, and after anything wrote a shard in place since the last one (a
+        load, another optimizer over the same storage, an edit; the tensors' version
+        counters tell, which writes through ``.data`` bypass). It travels at the head of
+        the gradients' all-to-all, so every rank learns every rank's without a collective
+        of its own; then the values travel too."""
         synced = self._synced.get(id(exchange))
-        changed = synced != [param._version for param in exchange.params]
-        flag = torch.tensor([float(changed)], device=exchange.params[0].device)
-        comm.all_reduce_max(flag, exchange.ranks)
-        return bool(flag.item())
+        return float(synced != [param._version for param in exchange.params])
 
     def _assemble(
         self,
         exchange: OwnerExchange,
         received: torch.Tensor,
+        values: torch.Tensor | None,
         without_grad: set[str],
-        payloads: int,
     ) -> None:
-        """The whole gradients of the parameters this rank owns from the pieces, and their
-        values where they came too (``payloads`` 2); else the owner's values are current."""
+        """The whole gradients of the parameters this rank owns from the pieces (flagged
+        ``received``), and their values where they came too (``values``); else the
+        owner's values are current."""
         for position, index in enumerate(exchange.owned):
             if index in exchange.solo:
                 continue
             t = exchange.tensors[index]
             whole = self._wholes[t.fqn]
-            if payloads == 2:
-                values = exchange.received_pieces(received, position, 1, 2)
-                torch.cat(values, out=whole.view(-1))
+            if values is not None:
+                torch.cat(exchange.received_pieces(values, position), out=whole.view(-1))
             if t.fqn in without_grad:
                 whole.grad = None
                 continue
-            grads = exchange.received_pieces(received, position, 0, payloads)
+            grads = exchange.received_pieces(received, position, flagged=True)
             grad = grads[0] if len(grads) == 1 else torch.cat(grads)
             whole.grad = grad.view(whole.shape)
 
@@ -455,15 +516,17 @@ class WholeParamOptimizer(torch.optim.Optimizer):
     def owned_states(self) -> dict[str, tuple[torch.Tensor, dict[str, Any], dict[str, Any]]]:
         """The whole parameters this rank steps, with their state: FQN -> (whole tensor,
         state, group); the ones every rank holds alike (replicated) on every rank."""
-        assert self._whole_optimizer is not None
+        local, assembled, _ = self._inners()
         found = {}
-        for group, inner in zip(self.param_groups, self._whole_optimizer.param_groups, strict=True):
+        for group, *inner in zip(
+            self.param_groups, local.param_groups, assembled.param_groups, strict=True
+        ):
             if not group["whole"]:
                 continue
-            by_id = {id(w): w for w in inner["params"]}
+            held = {id(w) for g in inner for w in g["params"]}
             for fqn, whole in self._wholes.items():
-                if id(whole) in by_id:
-                    found[fqn] = (whole, self._whole_optimizer.state.get(whole, {}), group)
+                if id(whole) in held:
+                    found[fqn] = (whole, local.state.get(whole, {}), group)
         return found
 
     def fqn_state(self) -> dict[str, dict[str, Any]]:
@@ -549,5 +612,3 @@ class WholeParamOptimizer(torch.optim.Optimizer):
         for group, saved_group in zip(self.param_groups, saved, strict=True):
             group.update({k: v for k, v in saved_group.items() if k != "params"})
         self.load_fqn_state(state_dict["state"])
-
-
