@@ -548,11 +548,12 @@ def regroup_table(reports: list[Report]) -> Lines:
 
 
 def whole_param_table(reports: list[Report]) -> Lines:
-    """``benchmarks/whole_param.py``: optimizer step (wall and CPU), state per rank, owner
-    balance and distance from DDP, per world size."""
+    """``benchmarks/whole_param.py``: optimizer step (wall and CPU), the slowest rank's
+    computation and the rest of the step (the exchange), the whole training step, state per
+    rank, owner balance and distance from DDP, per world size."""
     header = ["world", "system", "optimizer ms", "CPU ms", "/ DDP (paired)", "CPU / DDP",
-              "compute / DDP", "state MiB/rank", "state / DDP", "owner balance",
-              "max diff vs DDP"]  # fmt: skip
+              "compute / DDP", "exchange ms", "training step / DDP", "state MiB/rank",
+              "state / DDP", "owner balance", "max diff vs DDP"]  # fmt: skip
     rows = []
     for report in reports:
         if report.get("kind") != "whole-param":
@@ -560,13 +561,16 @@ def whole_param_table(reports: list[Report]) -> Lines:
         for name, row in report["rows"].items():
             world = str(report["world_size"])
             if row["error"]:
-                rows.append([world, name, f"fails: {row['error'][:90]}"] + [DASH] * 8)
+                rows.append([world, name, f"fails: {row['error'][:90]}"] + [DASH] * 10)
                 continue
+            compute = row.get("compute_ms")
+            exchange = None if compute is None else row["optimizer_ms"] - compute
             rows.append([
                 world, name, fmt(row["optimizer_ms"], ".1f"), fmt(row["cpu_ms"], ".1f"),
                 with_paired(row.get("ratio_to_ddp"), row.get("ratio_to_ddp_paired")),
                 fmt(row.get("cpu_ratio_to_ddp"), ".2f"),
-                fmt(row.get("compute_ratio_to_ddp"), ".2f"),
+                fmt(row.get("compute_ratio_to_ddp"), ".2f"), fmt(exchange, ".1f"),
+                fmt(row.get("step_ratio_to_ddp"), ".2f"),
                 mib(max(row["state_bytes_per_rank"])), fmt(row.get("state_ratio_to_ddp"), ".2f"),
                 fmt(row.get("balance"), ".3f"), fmt(row.get("max_difference_vs_ddp"), ".1e"),
             ])  # fmt: skip
