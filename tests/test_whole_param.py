@@ -206,6 +206,31 @@ def measure_case(rank: int, world_size: int) -> list[str]:
     return found
 
 
+def measured_add_group_case(rank: int, world_size: int, steps: int = 3) -> list[str]:
+    """cost="measured" with a group added after construction (its shapes timed then, the
+    owners of the first group's parameters kept) and one refused on the way, against one
+    process with both groups from the start."""
+    torch.manual_seed(0)
+    model = OddNet()
+    reference = copy.deepcopy(model)
+    sharded = gs.shard(model, groups_for(model, "adafactor"), unit=OddBlock)
+    first, second = sharded.optimizer_groups()
+    ours = gs.optim.WholeParamOptimizer([first], torch.optim.Adafactor, cost="measured", lr=1e-2)
+    owners = dict(ours._owners)
+    with pytest.raises(TypeError, match="'whole'"):
+        ours.add_param_group({**second, "whole": "no"})
+    ours.add_param_group(second)
+    assert all(ours._owners[fqn] == owner for fqn, owner in owners.items())
+    (theirs,) = optimizers_for(groups_for(reference, "adafactor"), "adafactor", whole=False)
+    step_side_by_side(sharded, reference, [ours], [theirs], steps)
+    return mismatches(gs.full_state_dict(sharded), reference.state_dict())
+
+
+def test_measured_costs_after_add_param_group_equal_one_process(run_ranks):
+    for different in run_ranks(2, measured_add_group_case):
+        assert different == [], different
+
+
 def test_measured_costs_agree_and_fail_on_every_rank(run_ranks):
     for rank, found in enumerate(run_ranks(3, measure_case)):
         median = {(0, (4, 3), "torch.float32"): 1.0, (1, (5,), "torch.float32"): 2.0}

@@ -8,7 +8,10 @@ of a step). Here each distinct (param group, shape, dtype) is stepped by a fresh
 instance of the optimizer class on a scratch tensor, a few times after warm-up; every
 rank times every one, and the median over the ranks is every rank's cost, so the owners
 are the same everywhere. Two small collectives per process group (failures, then the
-timings); the scratch tensors and their state live one at a time.
+timings) at construction and at each ``add_param_group``; the scratch tensors and their
+state live one at a time. Only steps that all do the same work are timed right: an
+optimizer with periodic work (SOAP's and Shampoo's preconditioner updates every few steps)
+is timed without it.
 """
 
 from __future__ import annotations
@@ -44,19 +47,21 @@ def time_step(
 ) -> float:
     """Seconds of one step of ``optimizer_class`` over one parameter of ``shape``: the
     median of ``REPEATS`` steps after ``WARMUP``, on random values and gradients from a
-    private generator (the global random state is left alone)."""
+    private generator; the global random state is restored after (an optimizer may draw
+    from it, e.g. for stochastic rounding)."""
     generator = torch.Generator(device=device).manual_seed(0)
     param = torch.nn.Parameter(torch.randn(shape, generator=generator, device=device).to(dtype))
     grad = torch.randn(shape, generator=generator, device=device).to(dtype)
-    optimizer = optimizer_class([{**hyperparameters, "params": [param]}], **class_defaults)
     seconds = []
-    for _ in range(WARMUP + REPEATS):
-        param.grad = grad.clone()
-        _synchronize(device)
-        started = time.perf_counter()
-        optimizer.step()
-        _synchronize(device)
-        seconds.append(time.perf_counter() - started)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        optimizer = optimizer_class([{**hyperparameters, "params": [param]}], **class_defaults)
+        for _ in range(WARMUP + REPEATS):
+            param.grad = grad.clone()
+            _synchronize(device)
+            started = time.perf_counter()
+            optimizer.step()
+            _synchronize(device)
+            seconds.append(time.perf_counter() - started)
     return statistics.median(seconds[WARMUP:])
 
 

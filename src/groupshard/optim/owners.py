@@ -232,6 +232,7 @@ class OwnerExchange:
         fixed.update(zip([f[0] for f in free], chosen, strict=True))
         self.tensors = [OwnedParam(*f[:5], fixed[f[0]], *f[5:]) for f in found]
         self._plan_buffers()
+        self._flag_index: torch.Tensor | None = None
         self.checked = False
 
     def _plan_buffers(self) -> None:
@@ -342,7 +343,10 @@ class OwnerExchange:
 
     def received_flags(self, received: torch.Tensor) -> torch.Tensor:
         """Every rank's flag, in rank order, from a flagged received buffer."""
-        return received[[start - 1 for start in self._received_starts(True)]]
+        if self._flag_index is None or self._flag_index.device != received.device:
+            places = [start - 1 for start in self._received_starts(True)]
+            self._flag_index = torch.tensor(places, device=received.device)  # once, not per step
+        return received[self._flag_index]
 
     def back(self, values: torch.Tensor, into: torch.Tensor) -> comm.Pending:
         """Start the all-to-all from the owners: ``values`` in the (unflagged) received
@@ -381,8 +385,8 @@ class OwnerExchange:
             bytes_per_step=(sent + received) * element_size,
         )  # fmt: skip
 
-    def signature(self) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
-        return [(t.fqn, t.shape, t.numels) for t in self.tensors]
+    def signature(self) -> list[tuple[str, tuple[int, ...], tuple[int, ...], int]]:
+        return [(t.fqn, t.shape, t.numels, t.owner) for t in self.tensors]
 
     def check_same_on_every_rank(
         self, who: str, what: str = "parameters", extra: Any = None
@@ -404,8 +408,8 @@ class OwnerExchange:
                 its = other[first] if first < len(other) else "nothing"
                 raise ValueError(
                     f"{who}: ranks hold different {what}: number {first} (name, shape, "
-                    f"elements per rank) is {mine} on rank 0 but {its} on rank {rank}; build "
-                    "the optimizer from the same param groups on every rank "
+                    f"elements per rank, owner) is {mine} on rank 0 but {its} on rank {rank}; "
+                    "build the optimizer from the same param groups on every rank "
                     "(model.optimizer_groups())."
                 )
 

@@ -22,6 +22,7 @@ from its owner. docs/whole-param-optimizers.md has the design and its costs.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
@@ -91,6 +92,12 @@ def _placed(value: Any, like: torch.Tensor, key: str) -> Any:
     return value
 
 
+def _changed_entries(inner: Mapping[str, Any], ours: Mapping[str, Any]) -> bool:
+    """Whether an inner optimizer's group has an entry (besides its parameters) that is not
+    ours: one it added or replaced in its step."""
+    return any(k != "params" and (k not in ours or ours[k] is not v) for k, v in inner.items())
+
+
 class WholeParamOptimizer(torch.optim.Optimizer):
     """An unmodified ``optimizer_class`` over whole parameters, on flat shards.
 
@@ -136,7 +143,8 @@ class WholeParamOptimizer(torch.optim.Optimizer):
         self.class_defaults = dict(defaults)
         self._measure = cost == "measured"
         self._cost = cost if callable(cost) else default_cost(optimizer_class)
-        self._measured: dict[tuple[int, tuple[int, ...], torch.dtype], float] = {}
+        # cost="measured": (process group id, group index, shape, dtype) -> seconds
+        self._measured: dict[tuple[int, int, tuple[int, ...], torch.dtype], float] = {}
         probe = optimizer_class([{"params": []}], **defaults)  # its defaults, checked
         self._building = True
         self._owners: dict[str, int] = {}  # FQN -> owner rank, kept once assigned
@@ -171,6 +179,8 @@ class WholeParamOptimizer(torch.optim.Optimizer):
                 self._rebuild()
             except Exception:
                 self.param_groups.pop()
+                index = len(self.param_groups)  # its timings, taken with its hyperparameters
+                self._measured = {k: v for k, v in self._measured.items() if k[1] != index}
                 raise
 
     def _hyperparameters(self, group: Mapping[str, Any]) -> dict[str, Any]:
@@ -186,12 +196,16 @@ class WholeParamOptimizer(torch.optim.Optimizer):
         ]
         exchanges = []
         for ranks, found in by_process_group(entries):
+            if self._measure:
+                self._time_costs(ranks, found)
             by_dtype: dict[torch.dtype, list[tuple[int, torch.Tensor]]] = {}
             for index, param in found:
                 by_dtype.setdefault(param.dtype, []).append((index, param))
             for dtype, part in by_dtype.items():
                 cost = (
-                    self._measured_cost(ranks, part, dtype) if self._measure else self._group_cost
+                    functools.partial(self._measured_cost, id(ranks.group), dtype)
+                    if self._measure
+                    else self._group_cost
                 )
                 exchange = OwnerExchange(ranks, part, cost, self._owners, near=True)
                 self._owners.update((t.fqn, t.owner) for t in exchange.tensors)
@@ -204,31 +218,42 @@ class WholeParamOptimizer(torch.optim.Optimizer):
     def _group_cost(self, group: int, shape: tuple[int, ...]) -> float:
         return self._cost(shape)
 
-    def _measured_cost(
-        self, ranks: comm.Ranks, part: list[tuple[int, torch.Tensor]], dtype: torch.dtype
-    ) -> Callable[[int, tuple[int, ...]], float]:
-        """``cost="measured"``: the seconds of a step of each (group, shape) among ``part``'s
-        parameters not timed before, agreed over ``ranks`` (collective)."""
-        device = part[0][1].device
+    def _time_costs(self, ranks: comm.Ranks, found: list[tuple[int, torch.Tensor]]) -> None:
+        """``cost="measured"``: the seconds of a step of each (group, shape, dtype) among
+        one process group's sharded parameters not timed before, agreed over its ranks (one
+        call, collective, whatever the dtypes: ranks holding other parameters fail alike)."""
+        process_group = id(ranks.group)
         keys: list[measure.Key] = []
-        for group, param in part:
+        for group, param in found:
             segments = segments_of(param)
             assert segments is not None
             for slot in segments.buffer.params:
-                key = (group, tuple(int(n) for n in slot.shape), str(dtype))
-                if slot.numel and (group, key[1], dtype) not in self._measured and key not in keys:
+                shape = tuple(int(n) for n in slot.shape)
+                key = (group, shape, str(param.dtype))
+                known = (process_group, group, shape, param.dtype) in self._measured
+                if slot.numel and not known and key not in keys:
                     keys.append(key)
+        dtypes = {str(param.dtype): param.dtype for _, param in found}
+        device = found[0][1].device
 
         def timer(key: measure.Key) -> float:
-            group, shape, _ = key
+            group, shape, dtype = key
             hyperparameters = self._hyperparameters(self.param_groups[group])
             return measure.time_step(
-                self.optimizer_class, self.class_defaults, hyperparameters, shape, dtype, device
-            )
+                self.optimizer_class, self.class_defaults, hyperparameters, shape,
+                dtypes[dtype], device,
+            )  # fmt: skip
 
-        for (group, shape, _), seconds in measure.measured_costs(keys, timer, ranks, WHO).items():
-            self._measured[(group, shape, dtype)] = seconds
-        return lambda group, shape: self._measured.get((group, shape, dtype), 0.0)
+        for (group, shape, dtype), seconds in measure.measured_costs(
+            keys, timer, ranks, WHO
+        ).items():
+            self._measured[(process_group, group, shape, dtypes[dtype])] = seconds
+
+    def _measured_cost(
+        self, process_group: int, dtype: torch.dtype, group: int, shape: tuple[int, ...]
+    ) -> float:
+        """A parameter's timed cost (``_time_costs``); 0 for an empty one (not timed)."""
+        return self._measured.get((process_group, group, shape, dtype), 0.0)
 
     def _whole_tensors(self) -> list[list[torch.Tensor]]:
         """Per group, the whole tensors this rank steps: views of shards it holds whole
@@ -359,15 +384,17 @@ class WholeParamOptimizer(torch.optim.Optimizer):
     def _keep_group_state(self) -> None:
         """Group entries the inner optimizer changed in its step (pytorch-optimizer keeps a
         ``step`` count in each group) into ours, so state dicts and checkpoints have them:
-        from the instance that holds the group's parameters here (the instances start each
-        step from ours, ``_sync_hyperparameters``)."""
+        from an instance holding the group's parameters here that changed them (the
+        instances start each step from ours, ``_sync_hyperparameters``, so an unchanged
+        entry is still our very object)."""
         local, assembled, shard = self._inners()
         for group, *inner in zip(
             self.param_groups, local.param_groups, assembled.param_groups, shard.param_groups,
             strict=True,
         ):  # fmt: skip
-            held = [g for g in inner if g["params"]]
-            source = held[0] if held else inner[0] if group["whole"] else inner[2]
+            held = [g for g in inner if g["params"]] or [inner[0 if group["whole"] else 2]]
+            changed = (g for g in held if _changed_entries(g, group))
+            source = next(changed, held[0])
             group.update({k: v for k, v in source.items() if k != "params"})
 
     def _sync_hyperparameters(self) -> None:
@@ -380,7 +407,8 @@ class WholeParamOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One step of every group; collective over the ranks that share sharded
-        parameters (two all-to-alls per process group)."""
+        parameters (two all-to-alls per process group and dtype; three on a step after a
+        shard was written)."""
         loss = evaluate_closure(closure)
         if not self._checked:
             self._check_ranks_agree()
