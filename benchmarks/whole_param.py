@@ -5,18 +5,21 @@
 The 4.2M-parameter GPT of ``benchmarks/run.py`` (``--model 4m``), two param groups (decay
 / no decay), gloo, one thread per rank. For torch.optim.Adafactor and pytorch-optimizer's
 SOAP (``max_precondition_dim=1024``: the 4096-token embedding dimension is left
-unpreconditioned, as SOAP does with dimensions above it), three systems each:
+unpreconditioned, as SOAP does with dimensions above it), these systems:
 
 - ``DDP + X``: every rank steps every parameter with X (the ranks' work is the same);
 - ``groupshard full + WholeParamOptimizer(X)``: ``gs.shard(..., strategy="full")``; each
-  parameter's update on one owner rank (cost-balanced), two all-to-alls per step;
+  parameter's update on one owner rank (cost-balanced), two all-to-alls per step; for
+  Adafactor also with ``cost="measured"`` (owners balanced by timed steps);
 - ``FSDP2 + X``: ``fully_shard`` per Block and root, X straight on the DTensors (recorded
   whether it runs, and how far its parameters end from DDP's).
 
 The systems run interleaved in one process group: each round runs one training step of
 every system (forward, backward, optimizer step, zero_grad), the order rotated each round.
-Per step: the optimizer step's wall time (a barrier before it, rank 0's clock) and its CPU
-time (``time.process_time``: all threads of the rank's process, compute and gloo's).
+Per step: the optimizer step's wall time (a barrier before it, rank 0's clock), its CPU
+time (``time.process_time``: all threads of the rank's process, compute and gloo's), and
+the whole training step's wall time (forward, backward and optimizer step, between
+barriers).
 Reported: medians over the rounds after warm-up, the optimizer step over DDP's (the median
 of the per-round ratios too), the slowest rank's computation alone (its inner optimizers'
 own steps, without the exchange: the step if communication were free) over DDP's step,
