@@ -1,6 +1,7 @@
 """Smoke tests of benchmarks/hybrid.py (bytes within and across replicas, against the
-formulas) and benchmarks/whole_param.py (WholeParamOptimizer beside DDP): they run, and
-their results hold what the README's tables say of them."""
+formulas), benchmarks/whole_param.py (WholeParamOptimizer beside DDP) and
+benchmarks/regroup_memory.py (gs.regroup's peak memory): they run, and their results hold
+what the README's tables say of them."""
 
 from __future__ import annotations
 
@@ -50,3 +51,19 @@ def test_whole_param_benchmark_runs_and_equals_ddp(tmp_path):
         if "measured" not in name:  # costs by formula: balanced elements, so state too
             assert row["balance"] <= 1.1, (name, row["balance"])
             assert row["state_ratio_to_ddp"] < 0.6, (name, row["state_ratio_to_ddp"])
+
+
+def test_regroup_memory_benchmark_runs(tmp_path):
+    """The tiny model (its peaks are allocator noise): both calls on both ranks, each with
+    its unit sizes, and the regrouped model trained on (the script steps it after)."""
+    output = tmp_path / "regroup.json"
+    _run("regroup_memory.py", "--model", "tiny", "--out", str(output))
+    report = json.loads(output.read_text())
+    assert report["kind"] == "regroup-memory" and report["model"] == "tiny"
+    ranks = report["ranks"]
+    assert [entry["rank"] for entry in ranks] == [0, 1]
+    for entry in ranks:
+        assert len(entry["calls"]) == 2, entry["calls"]
+        for call in entry["calls"].values():
+            assert call["seconds"] > 0 and call["peak_above_before"] >= 0, call
+        assert entry["unit_params_bytes"] and entry["optimizer_state_bytes"] > 0, entry
