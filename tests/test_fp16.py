@@ -24,8 +24,10 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 import groupshard as gs
+from groupshard.mesh import MESH_DIM_NAMES
 
 from helpers import (
     OPTIMIZERS,
@@ -247,19 +249,23 @@ def _differences(first: dict[str, Any], second: dict[str, Any]) -> list[str]:
 
 def overflow_case(
     rank: int, world_size: int, strategy: str, where: str, optimizer: str, clip: bool,
-    scaler: str = "gs",
+    scaler: str = "gs", mesh_shape: tuple[int, int] | None = None,
 ) -> tuple[list[str], int, list[float], list[float], list[str]]:  # fmt: skip
     """Train through an overflow in the last rank's gradient at ``OVERFLOW_STEP``, and again
     with that step's batch left out (the scale halved by hand). Returns what the overflow
     step changed in the model and optimizer state, the growth tracker after it, the scales
-    of both runs, and where the two runs end apart."""
+    of both runs, and where the two runs end apart. ``mesh_shape``: on a ("replicate",
+    "shard") mesh (HSDP)."""
     ends, scales = [], []
     for skip in (False, True):
         torch.manual_seed(0)
         model = EdgeGPT()
+        mesh = None
+        if mesh_shape is not None:
+            mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=MESH_DIM_NAMES)
         sharded = gs.shard(
             model, three_groups(model, 1e-3), unit=UNITS, strategy=strategy,
-            mixed_precision=POLICIES["float32"],
+            mixed_precision=POLICIES["float32"], mesh=mesh,
         )  # fmt: skip
         opt = OPTIMIZERS[optimizer](sharded.optimizer_groups())
         amp = _scaler(scaler, sharded, growth_interval=2000)
@@ -305,6 +311,20 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(
     ``clip``: ``unscale_`` then torch's ``clip_grad_norm_`` on the shards (no effect on an
     overflowed step, since it is skipped); without: the fused optimizer's own unscale."""
     results = run_ranks(world_size, overflow_case, strategy, where, optimizer, clip, timeout=120)
+    for changed, tracker, scales, skipped_scales, apart in results:
+        assert changed == [], changed
+        assert tracker == 0
+        assert scales == skipped_scales == HALVED, (scales, skipped_scales)
+        assert apart == [], apart
+
+
+def test_an_overflow_on_one_rank_skips_the_step_on_every_replica_under_hsdp(run_ranks):
+    """On a 2 x 2 mesh the last rank's inf is in its slice only, after the all-reduce
+    across replicas: the ranks of the other shard group (the other replica of that slice
+    and the ranks holding other slices) must skip too, so the agreement spans the world."""
+    results = run_ranks(
+        4, overflow_case, "full", "gradient", "adamw", True, "gs", (2, 2), timeout=120
+    )
     for changed, tracker, scales, skipped_scales, apart in results:
         assert changed == [], changed
         assert tracker == 0
