@@ -153,32 +153,47 @@ def test_construction_memory_stays_per_rank(run_ranks):
         assert result["peak"] <= result["local"] + 2 * result["unit"] + 16 * 2**20, result
 
 
-def safetensors_case(rank: int, world_size: int, path: str) -> dict[str, object]:
-    """Load a file written by an unsharded model into a meta-built sharded one."""
+def safetensors_case(
+    rank: int, world_size: int, path: str, mesh_shape: tuple[int, int] | None = None
+) -> dict[str, object]:
+    """Load a file written by an unsharded model into a meta-built sharded one (on a
+    ("replicate", "shard") mesh: HSDP), then write it back with gs.save_safetensors."""
     torch.manual_seed(0)
     model = _meta_gpt()
-    sharded = gs.shard(model, gs.decay_groups(model, 0.1), unit=Block)
+    mesh = None
+    if mesh_shape is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
+    sharded = gs.shard(model, gs.decay_groups(model, 0.1), unit=Block, mesh=mesh)
     read = gs.load_full_state_dict(sharded, path)
     expected = load_file(path)
     full = gs.full_state_dict(sharded)
     local = sum(s.local.numel() * s.local.element_size() for s in sharded.groupshard.storages)
     largest = max(t.numel() * t.element_size() for t in expected.values())
+    written = f"{path}.written"
+    gs.save_safetensors(sharded, written)  # collective: rank 0 writes, then every rank agrees
+    saved = load_file(written)
     return {
         "equal": all(torch.equal(full[k], expected[k]) for k in expected),
+        "saved": saved.keys() == expected.keys()
+        and all(torch.equal(saved[k], expected[k]) for k in expected),
         "read": read,
         "bound": local + largest,
         "total": sum(t.numel() * t.element_size() for t in expected.values()),
     }
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_safetensors_loads_slice_by_slice(run_ranks, tmp_path, world_size):
+@pytest.mark.parametrize("world_size, mesh_shape", [(2, None), (4, None), (4, (2, 2))])
+def test_safetensors_loads_slice_by_slice(run_ranks, tmp_path, world_size, mesh_shape):
+    """Each rank reads its shards' rows only, HSDP too (1/2 of the model per rank on a 2 x 2
+    mesh), and gs.save_safetensors writes the same file back."""
     torch.manual_seed(3)
     plain = GPT(TINY).state_dict()
     path = tmp_path / "model.safetensors"
     save_file({k: v for k, v in plain.items() if k != "lm_head.weight"}, path)  # tied: once
-    for result in run_ranks(world_size, safetensors_case, str(path)):
-        assert result["equal"]
+    for result in run_ranks(world_size, safetensors_case, str(path), mesh_shape):
+        assert result["equal"] and result["saved"], result
         assert result["read"] <= result["bound"], result  # its shards + one tensor at most
         assert result["read"] < result["total"], result
 
