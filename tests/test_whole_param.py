@@ -194,7 +194,7 @@ def measure_case(rank: int, world_size: int) -> list[str]:
     from groupshard.optim.measure import measured_costs
 
     ranks = comm.resolve_ranks()
-    keys = [(0, (4, 3), "torch.float32"), (1, (5,), "torch.float32")]
+    keys = [(0, (4, 3), torch.float32), (1, (5,), torch.float32)]
     agreed = measured_costs(keys, lambda key: float(rank + key[0]), ranks, "who")
     found = [repr(agreed)]
     other = keys[:1] if rank == 1 else keys
@@ -233,7 +233,7 @@ def test_measured_costs_after_add_param_group_equal_one_process(run_ranks):
 
 def test_measured_costs_agree_and_fail_on_every_rank(run_ranks):
     for rank, found in enumerate(run_ranks(3, measure_case)):
-        median = {(0, (4, 3), "torch.float32"): 1.0, (1, (5,), "torch.float32"): 2.0}
+        median = {(0, (4, 3), torch.float32): 1.0, (1, (5,), torch.float32): 2.0}
         assert found[0] == repr(median), found[0]
         assert found[1].startswith("ValueError: who: ranks hold different parameters"), found
         assert "division by zero" in found[2], (rank, found[2])

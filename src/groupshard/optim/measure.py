@@ -25,8 +25,8 @@ import torch
 
 from groupshard import comm
 
-Key = tuple[int, tuple[int, ...], str]
-"""(param-group index, shape, dtype name) of the parameters that share a cost."""
+Key = tuple[int, tuple[int, ...], torch.dtype]
+"""(param-group index, shape, dtype) of the parameters that share a cost."""
 
 WARMUP = 2  # steps before timing: the state is created at the first
 REPEATS = 5  # timed steps; their median

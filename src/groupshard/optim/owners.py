@@ -262,6 +262,14 @@ class OwnerExchange:
             for rank in range(size)
         ]
         # per owned tensor, its pieces: (source rank, offset in that source's chunk, numel)
+        # where each source's chunk of pieces starts in the received buffer, unflagged and
+        # flagged (one element ahead of each chunk)
+        self.received_starts: dict[bool, list[int]] = {False: [], True: []}
+        offset = 0
+        for rank, split in enumerate(self.recv_splits):
+            self.received_starts[False].append(offset)
+            self.received_starts[True].append(offset + rank + 1)
+            offset += split
         self.recv_places: list[list[tuple[int, int, int]]] = [[] for _ in self.owned]
         for rank in range(size):
             offset = 0
@@ -323,19 +331,11 @@ class OwnerExchange:
         )  # fmt: skip
         return received, pending
 
-    def _received_starts(self, flagged: bool) -> list[int]:
-        """Where each source's chunk of pieces starts in the received buffer."""
-        starts, offset = [], 0
-        for split in self.recv_splits:
-            starts.append(offset + int(flagged))
-            offset += split + int(flagged)
-        return starts
-
     def received_pieces(
         self, received: torch.Tensor, position: int, flagged: bool = False
     ) -> list[torch.Tensor]:
         """Views of ``received`` holding the pieces, in rank order, of ``self.owned[position]``."""
-        starts = self._received_starts(flagged)
+        starts = self.received_starts[flagged]
         return [
             received[starts[rank] + offset : starts[rank] + offset + numel]
             for rank, offset, numel in self.recv_places[position]
@@ -344,7 +344,7 @@ class OwnerExchange:
     def received_flags(self, received: torch.Tensor) -> torch.Tensor:
         """Every rank's flag, in rank order, from a flagged received buffer."""
         if self._flag_index is None or self._flag_index.device != received.device:
-            places = [start - 1 for start in self._received_starts(True)]
+            places = [start - 1 for start in self.received_starts[True]]
             self._flag_index = torch.tensor(places, device=received.device)  # once, not per step
         return received[self._flag_index]
 

@@ -228,26 +228,21 @@ class WholeParamOptimizer(torch.optim.Optimizer):
             segments = segments_of(param)
             assert segments is not None
             for slot in segments.buffer.params:
-                shape = tuple(int(n) for n in slot.shape)
-                key = (group, shape, str(param.dtype))
-                known = (process_group, group, shape, param.dtype) in self._measured
+                key = (group, tuple(int(n) for n in slot.shape), param.dtype)
+                known = (process_group, *key) in self._measured
                 if slot.numel and not known and key not in keys:
                     keys.append(key)
-        dtypes = {str(param.dtype): param.dtype for _, param in found}
         device = found[0][1].device
 
         def timer(key: measure.Key) -> float:
             group, shape, dtype = key
             hyperparameters = self._hyperparameters(self.param_groups[group])
             return measure.time_step(
-                self.optimizer_class, self.class_defaults, hyperparameters, shape,
-                dtypes[dtype], device,
-            )  # fmt: skip
+                self.optimizer_class, self.class_defaults, hyperparameters, shape, dtype, device
+            )
 
-        for (group, shape, dtype), seconds in measure.measured_costs(
-            keys, timer, ranks, WHO
-        ).items():
-            self._measured[(process_group, group, shape, dtypes[dtype])] = seconds
+        for key, seconds in measure.measured_costs(keys, timer, ranks, WHO).items():
+            self._measured[(process_group, *key)] = seconds
 
     def _measured_cost(
         self, process_group: int, dtype: torch.dtype, group: int, shape: tuple[int, ...]
