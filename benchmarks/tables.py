@@ -577,10 +577,34 @@ def whole_param_table(reports: list[Report]) -> Lines:
     return markdown(header, rows)
 
 
+def checkpoint_table(reports: list[Report]) -> Lines:
+    """``benchmarks/checkpoint.py``, one results file per model: each row's save and load
+    (wall seconds, the slowest rank, median over rounds; CPU seconds, the ranks' mean; the
+    peak RSS above the RSS before the call, the most over rounds and ranks), the seconds
+    against the FSDP2 row's, and the largest unit's full fp32 parameters, for scale."""
+    header = ["model", "row", "save s", "load s", "save CPU s", "load CPU s",
+              "save peak MiB above start", "load peak MiB above start", "save x FSDP2",
+              "load x FSDP2", "largest unit MiB"]  # fmt: skip
+    rows = []
+    for report in reports:
+        if report.get("kind") != "checkpoint":
+            raise TableError("expects results of benchmarks/checkpoint.py")
+        fsdp2 = row_of(report, "fsdp2 torch idiom")
+        for name, row in report["rows"].items():
+            rows.append([
+                MODEL_NAMES.get(report["model"], report["model"]), name,
+                f"{row['save_s']:.2f}", f"{row['load_s']:.2f}",
+                f"{row['save_cpu_s']:.2f}", f"{row['load_cpu_s']:.2f}",
+                mib(row["save_peak_above_start"], ".1f"), mib(row["load_peak_above_start"], ".1f"),
+                f"{row['save_s'] / fsdp2['save_s']:.2f}", f"{row['load_s'] / fsdp2['load_s']:.2f}",
+                mib(report["largest_unit_bytes"], ".1f"),
+            ])  # fmt: skip
+    return markdown(header, rows)
+
+
 KINDS: dict[str, Callable[[list[Report]], Lines]] = {
     "regroup": regroup_table,
-
-
+    "checkpoint": checkpoint_table,
     "whole-param": whole_param_table,
     "before-after": before_after_table,
     "main": main_table,

@@ -99,6 +99,20 @@ def global_batches(
     ]
 
 
+def numbered(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state dict keyed by parameter name (``gs.optim_state_dict``, torch's
+    full ``get_optimizer_state_dict``) numbered as ``Optimizer.state_dict()`` numbers it."""
+    names = [name for group in state_dict["param_groups"] for name in group["params"]]
+    index = {name: position for position, name in enumerate(names)}
+    return {
+        "state": {index[name]: state for name, state in state_dict["state"].items()},
+        "param_groups": [
+            {**group, "params": [index[name] for name in group["params"]]}
+            for group in state_dict["param_groups"]
+        ],
+    }
+
+
 def max_difference(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> float:
     assert sorted(first) == sorted(second), (sorted(first), sorted(second))
     return max((first[k].double() - second[k].double()).abs().max().item() for k in first)

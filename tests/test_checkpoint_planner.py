@@ -1,6 +1,7 @@
-"""gs.checkpoint on public torch APIs: the DCP planners over explicit per-FQN pieces, the
-pieces a save writes (the layout's segments, empty ones included), no torch.distributed._shard
-and no private torch names, no deprecation warning from a save or a load."""
+"""gs.checkpoint on public torch APIs: a rank's piece of a parameter as the blocks it
+covers (DCP's default planners), the blocks a save writes (the layout's segments), no
+torch.distributed._shard and no private torch names but the listed ones, no deprecation
+warning from a save or a load."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -23,56 +25,80 @@ from torch.distributed.checkpoint.planner import WriteItemType
 
 import groupshard as gs
 from groupshard.checkpoint import reader
-from groupshard.checkpoint.planner import Piece, PieceLoadPlanner, PieceSavePlanner
+from groupshard.checkpoint.planner import ParamPiece, Piece, SafeLoadPlanner
+from groupshard.layout import flat_range_boxes
 from test_checkpoint import RESUME_AT, batches, save_case, sharded, train
 
 CHECKPOINT_CODE = Path(gs.checkpoint.__file__).parent
-# The one private torch name the checkpoint code uses, and why: torch's FileSystemWriter
-# pickles each data file's byte range as this class, so the safe unpickler builds it.
-ALLOWED_PRIVATE = {("reader.py", "torch.distributed.checkpoint.filesystem._StorageInfo")}
+# The private torch names the checkpoint code uses, and why: torch's FileSystemWriter
+# pickles each data file's byte range as _StorageInfo, so the safe unpickler builds it;
+# a ParamPiece is a wrapper tensor (whole size, a rank's data) made as DTensor is made;
+# torch_api returns what torch's own load_state_dict does (_IncompatibleKeys) from the
+# function of torch's it wraps (torch_hook: torch's state-dict API has no extension point).
+ALLOWED_PRIVATE = {
+    ("torch_api.py", "torch.nn.modules.module._IncompatibleKeys"),
+    ("reader.py", "torch.distributed.checkpoint.filesystem._StorageInfo"),
+    ("planner.py", "torch.Tensor._make_wrapper_subclass"),
+    ("planner.py", "torch._C._disabled_torch_function_impl"),
+    ("planner.py", "torch._C"),
+}
 
 
 def _chunks(*bounds):
     return [ChunkStorageMetadata(torch.Size([o]), torch.Size([n])) for o, n in bounds]
 
 
-def test_save_planner_writes_each_piece_with_its_offsets():
-    data = torch.arange(10.0)
-    pieces = {
-        "model.w": Piece(data[3:8], torch.Size([20]), 11),
-        "buffers.b": Piece.whole(torch.ones(2, 3)),
-        "model.empty_here": Piece(data[:0], torch.Size([20]), 0),
-        "optim.w.step": Piece.whole(torch.tensor(5.0), write=False),  # another rank writes it
+def test_a_piece_of_a_matrix_is_written_as_the_blocks_it_covers():
+    """Elements [11, 27) of a 5x6 matrix: the rest of row 1, rows 2-3, the start of row 4."""
+    data = torch.arange(16.0)
+    state_dict = {
+        "model.w": ParamPiece(Piece(data, torch.Size([5, 6]), 11)),
+        "model.b": torch.ones(2, 3),
+        "model.empty_here": ParamPiece(Piece(data[:0], torch.Size([20]), 0)),
     }
-    planner = PieceSavePlanner(pieces)
-    planner.set_up_planner({}, None, is_coordinator=True)
-    items = {item.index.fqn: item for item in planner.create_local_plan().items}
-    assert sorted(items) == ["buffers.b", "model.w"]
-    piece = items["model.w"]
-    assert piece.type == WriteItemType.SHARD and piece.tensor_data.size == torch.Size([20])
-    assert piece.tensor_data.chunk == _chunks((11, 5))[0]
-    assert piece.index.offset == torch.Size([11])
-    assert items["buffers.b"].type == WriteItemType.TENSOR
-    assert torch.equal(planner.resolve_data(piece), data[3:8])
+    planner = DefaultSavePlanner(flatten_state_dict=False)
+    planner.set_up_planner(state_dict, None, is_coordinator=True)
+    items = planner.create_local_plan().items
+    blocks = [
+        (tuple(i.tensor_data.chunk.offsets), tuple(i.tensor_data.chunk.sizes))
+        for i in items
+        if i.index.fqn == "model.w"
+    ]
+    assert blocks == [((1, 5), (1, 1)), ((2, 0), (2, 6)), ((4, 0), (1, 3))]
+    assert {i.index.fqn for i in items} == {"model.w", "model.b"}  # none of empty_here
+    for item in items:
+        if item.index.fqn == "model.w":
+            assert item.type == WriteItemType.SHARD and item.tensor_data.size == (5, 6)
+    whole_rows = next(i for i in items if tuple(i.index.offset) == (2, 0))
+    assert torch.equal(planner.resolve_data(whole_rows), data[1:13].view(2, 6))
+    assert state_dict["model.w"].size() == (5, 6)  # DCP compares the whole entry's size
 
 
-def test_save_planner_refuses_a_piece_outside_its_entry():
-    with pytest.raises(ValueError, match="outside its entry"):
-        PieceSavePlanner({"model.w": Piece(torch.zeros(4), torch.Size([6]), 3)})
+def test_a_piece_outside_its_entry_is_refused():
+    with pytest.raises(ValueError, match="outside a tensor"):
+        Piece(torch.zeros(4), torch.Size([6]), 3)
 
 
-def test_load_planner_reads_a_piece_from_every_saved_piece_it_overlaps():
+def test_a_piece_is_no_tensor_to_compute_with():
+    piece = ParamPiece(Piece(torch.zeros(4), torch.Size([2, 3]), 1))
+    with pytest.raises(TypeError, match="full_state_dict=True"):
+        piece.sum()
+    assert "elements [1, 5)" in repr(piece)
+
+
+def test_load_reads_a_piece_from_every_saved_block_it_overlaps():
     entry = TensorStorageMetadata(
         TensorProperties(dtype=torch.float32), torch.Size([10]), _chunks((0, 4), (4, 3), (7, 3))
     )
     metadata = Metadata({"model.w": entry})
     target = torch.zeros(5)  # elements 3..7 of the entry
-    pieces = {
-        "model.w": Piece(target, torch.Size([10]), 3),
-        "model.v": Piece(target[:0], entry.size),
+    state_dict = {
+        "model.w": ParamPiece(Piece(target, torch.Size([10]), 3)),
+        "model.v": ParamPiece(Piece(target[:0], entry.size)),
     }
-    planner = PieceLoadPlanner(pieces)
-    planner.set_up_planner({}, metadata, is_coordinator=True)
+    metadata.state_dict_metadata["model.v"] = entry
+    planner = SafeLoadPlanner()
+    planner.set_up_planner(state_dict, metadata, is_coordinator=True)
     items = planner.create_local_plan().items
     reads = sorted(
         (i.storage_index.offset[0], i.storage_offsets[0], i.dest_offsets[0], i.lengths[0])
@@ -106,12 +132,18 @@ def test_a_save_writes_the_layout_segments_as_pieces(run_ranks, tmp_path):
     metadata = reader.read_metadata(Path(path))
     entries = metadata.state_dict_metadata
     for fqn, expected in segments.items():
-        for name in (f"model.{fqn}", f"optim.{fqn}.exp_avg"):
+        for name in (f"model.{fqn}", f"optim.state.{fqn}.exp_avg"):
             if name not in entries:  # the frozen parameter has no optimizer state
-                assert name.startswith("optim.wpe.weight")
+                assert name.startswith("optim.state.wpe.weight")
                 continue
-            chunks = sorted((c.offsets[0], c.sizes[0]) for c in entries[name].chunks)
-            assert chunks == sorted(expected), name
+            shape = entries[name].size
+            blocks = sorted((tuple(c.offsets), tuple(c.sizes)) for c in entries[name].chunks)
+            expected_blocks = sorted(
+                (tuple(o), tuple(n))
+                for start, numel in expected
+                for o, n in flat_range_boxes(shape, start, start + numel)
+            )
+            assert blocks == expected_blocks, name
     # most parameters lie in one rank's shard: the other ranks hold empty pieces of them
     assert sum(len(pieces) == 1 for pieces in segments.values()) >= 5
     assert sorted(f for f in os.listdir(path) if f.endswith(".distcp")) == [

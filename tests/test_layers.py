@@ -13,7 +13,7 @@ LAYERS = {
     "storage": ["segments", "flatten", "gradients", "storage"],
     "runtime": ["unit_runtime", "gathers", "buckets", "end_of_backward", "runtime"],
     "model": ["sharding", "materialize", "norms", "scaler", "safetensors_io", "full_state"],
-    "front-ends": ["api", "regroup", "optim", "zero", "checkpoint"],
+    "front-ends": ["api", "regroup", "optim", "zero", "checkpoint", "torch_hook"],
     "command line": ["cli", "__init__", "__main__"],
 }
 LEVEL = {name: level for level, names in enumerate(LAYERS.values()) for name in names}

@@ -14,7 +14,15 @@ from torch import nn
 import groupshard as gs
 from groupshard.cli.model import GPT, Block, GPTConfig
 
-from helpers import BATCH_PER_RANK, UNITS, EdgeGPT, global_batches, max_difference, three_groups
+from helpers import (
+    BATCH_PER_RANK,
+    UNITS,
+    EdgeGPT,
+    global_batches,
+    max_difference,
+    numbered,
+    three_groups,
+)
 
 TOLERANCE = 1e-5
 
@@ -126,7 +134,7 @@ def branch_case(
             (reference(inputs[r], per_rank[r]) / world_size).backward()
         reference_opt.step()
         reference_opt.zero_grad()
-    ours, theirs = gs.optim_state_dict(sharded, opt), reference_opt.state_dict()
+    ours, theirs = numbered(gs.optim_state_dict(sharded, opt)), reference_opt.state_dict()
     return {
         "values": max_difference(gs.full_state_dict(sharded), reference.state_dict()),
         "state": _per_element_difference(ours, theirs),
@@ -192,7 +200,7 @@ def freeze_case(rank: int, world_size: int, strategy: str) -> dict[str, float]:
             optimizer.zero_grad()
     full = gs.full_state_dict(sharded)
     frozen = [n for n in full if n == "blocks.1.fc.weight" or n.startswith("blocks.0.")]
-    ours, theirs = gs.optim_state_dict(sharded, opt), reference_opt.state_dict()
+    ours, theirs = numbered(gs.optim_state_dict(sharded, opt)), reference_opt.state_dict()
     return {
         "values": max_difference(full, reference.state_dict()),
         "state": _per_element_difference(ours, theirs),

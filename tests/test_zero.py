@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -421,8 +422,11 @@ def test_sharded_checkpoint_at_another_world_size(run_ranks, tmp_path, into):
     metadata = reader.read_metadata(Path(path))
     written: dict[tuple[str, str], int] = {}
     for index, info in metadata.storage_data.items():
+        entry = metadata.state_dict_metadata[index.fqn]
+        if not isinstance(entry, TensorStorageMetadata):  # a param group's hyperparameter
+            continue
         kind = "model" if index.fqn.startswith("model.") else index.fqn.rsplit(".", 1)[-1]
-        chunk = metadata.state_dict_metadata[index.fqn].chunks[index.index]
+        chunk = entry.chunks[index.index]
         key = (kind, info.relative_path)
         written[key] = written.get(key, 0) + chunk.sizes.numel()
     for kind in ("model", "exp_avg", "exp_avg_sq"):

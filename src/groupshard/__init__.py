@@ -21,6 +21,11 @@ if "torch" in sys.modules:
     # (``groupshard --help``), groupshard.runtime imports it.
     import torch.distributed.nn.functional  # noqa: F401
 
+from groupshard import torch_hook
+
+# torch's get_state_dict / set_state_dict learn groupshard's models once torch loads them
+torch_hook.install()
+
 if TYPE_CHECKING:
     from groupshard import checkpoint, optim
     from groupshard.api import ShardedModule, shard, shard_optimizer

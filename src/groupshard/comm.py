@@ -269,6 +269,17 @@ def broadcast(tensor: torch.Tensor, ranks: Ranks, src_rank: int = 0) -> None:
     dist.broadcast(tensor, src=dist.get_global_rank(ranks.group, src_rank), group=ranks.group)
 
 
+def broadcast_object(value: Any, ranks: Ranks, src_rank: int = 0) -> Any:
+    """Group rank ``src_rank``'s ``value`` (picklable), on every rank."""
+    if ranks.is_local:
+        return value
+    shared = [value]
+    dist.broadcast_object_list(
+        shared, src=dist.get_global_rank(ranks.group, src_rank), group=ranks.group
+    )
+    return shared[0]
+
+
 def gather_objects(value: Any, ranks: Ranks) -> list[Any]:
     """Every rank's ``value`` (picklable), in rank order, on every rank."""
     if ranks.is_local:

@@ -99,7 +99,7 @@ def _comparable(value: Any) -> float | None:
     return None
 
 
-def _check_one_scalar(key: str, values: list[Any], buffer: FlatBufferLayout) -> None:
+def check_one_scalar(key: str, values: list[Any], buffer: FlatBufferLayout) -> None:
     """Fail, naming the parameters, if they hold different values of a scalar state key
     (e.g. Adam's ``step``): their flat buffer keeps one, so loading would change it."""
     numbers = [_comparable(value) for value in values]
@@ -136,25 +136,30 @@ def shard_state_from(
         if is_per_parameter(key, values, shapes):
             state[key] = shard_of(values, buffer, shard_rank, shard)
         else:
-            _check_one_scalar(key, values, buffer)
+            check_one_scalar(key, values, buffer)
             state[key] = first.clone() if isinstance(first, torch.Tensor) else first
     return state
 
 
 def plain_optimizer_state(
-    groups: list[tuple[Sequence[str], dict[str, Any]]], per_fqn: Mapping[str, dict[str, Any]]
+    groups: list[tuple[Sequence[str], dict[str, Any]]],
+    per_fqn: Mapping[str, dict[str, Any]],
+    by_name: bool = False,
 ) -> dict[str, Any]:
     """torch.optim's state-dict format from ``(listed FQNs, hyperparameters)`` per group and
     each parameter's state: parameters are numbered across groups in the listed order, as
-    a torch optimizer built with those groups numbers them; ones without state are left out.
+    a torch optimizer built with those groups numbers them (``by_name``: keyed by their
+    names instead, as torch's ``get_optimizer_state_dict`` keys them); ones without state
+    are left out. Either form loads into a torch optimizer built with those groups
+    (``Optimizer.load_state_dict`` pairs the listed keys with its parameters in order).
     """
     result: dict[str, Any] = {"state": {}, "param_groups": []}
     index = 0
     for listed, hyperparameters in groups:
-        indices = list(range(index, index + len(listed)))
-        for position, fqn in zip(indices, listed, strict=True):
+        keys: list[Any] = list(listed) if by_name else list(range(index, index + len(listed)))
+        for key, fqn in zip(keys, listed, strict=True):
             if per_fqn.get(fqn):
-                result["state"][position] = per_fqn[fqn]
-        result["param_groups"].append({**hyperparameters, "params": indices})
-        index += len(indices)
+                result["state"][key] = per_fqn[fqn]
+        result["param_groups"].append({**hyperparameters, "params": keys})
+        index += len(keys)
     return result

@@ -198,11 +198,13 @@ def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> Shard
 
 
 def optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's state in plain torch.optim format on the unsharded model.
-
-    State is keyed by the index of each original parameter in the user's groups (as
-    a torch optimizer built with those groups numbers them), with original shapes;
-    param groups carry their current hyperparameters. Collective; on every rank.
+    """The optimizer's state in plain torch.optim format on the unsharded model, as torch's
+    ``get_optimizer_state_dict(model, optimizer, options=StateDictOptions(
+    full_state_dict=True))`` gives it for the unsharded model: state keyed by parameter
+    name, in original shapes; each param group lists its parameters' names and carries
+    its current hyperparameters. Loads with ``set_optimizer_state_dict``, with
+    ``gs.load_optim_state_dict`` and into a plain torch optimizer built with the same
+    groups (``Optimizer.load_state_dict``). Collective; on every rank.
     """
     state = check_optimizer(model, optimizer)
     per_fqn: dict[str, dict[str, Any]] = {}
@@ -222,13 +224,30 @@ def optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
         (resolved.listed, {k: v for k, v in group.items() if k != "params"})
         for group, resolved in zip(optimizer.param_groups, state.groups.groups, strict=True)
     ]
-    return plain_optimizer_state(groups, per_fqn)
+    return plain_optimizer_state(groups, per_fqn, by_name=True)
+
+
+def _keys_of(listed: list[str], saved: list[Any], index: int) -> dict[str, Any]:
+    """Each parameter's key in a saved group: its name, or its number in the same order."""
+    if saved and all(isinstance(key, str) for key in saved):
+        if sorted(saved) != sorted(listed):
+            missing = [n for n in listed if n not in saved]
+            unexpected = [n for n in saved if n not in listed]
+            raise ValueError(
+                f"Param group {index} of the optimizer state dict differs from the model's: "
+                f"missing {missing[:8]}, unexpected {unexpected[:8]}"
+            )
+        return {name: name for name in listed}
+    return dict(zip(listed, saved, strict=True))
 
 
 def load_optim_state_dict(
     model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
 ) -> None:
-    """Load a plain torch.optim state dict (per original parameter) into the sharded optimizer."""
+    """Load a plain torch.optim state dict (per original parameter) into the sharded optimizer:
+    keyed by parameter name (``gs.optim_state_dict``, torch's full
+    ``get_optimizer_state_dict``) or numbered (``Optimizer.state_dict()`` of a torch
+    optimizer built with the same groups on the unsharded model)."""
     state = check_optimizer(model, optimizer)
     saved = state_dict["param_groups"]
     ours = [len(g.listed) for g in state.groups.groups]
@@ -244,7 +263,7 @@ def load_optim_state_dict(
         optimizer.param_groups, saved, state.groups.groups, strict=True
     ):
         group.update({k: v for k, v in saved_group.items() if k != "params"})
-        index_of = dict(zip(resolved.listed, saved_group["params"], strict=True))
+        index_of = _keys_of(resolved.listed, saved_group["params"], resolved.index)
         if load_whole is not None:
             whole_entries.update((f, state_dict["state"].get(i)) for f, i in index_of.items())
             continue

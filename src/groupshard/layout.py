@@ -237,3 +237,43 @@ def build_storage(
     ordered = sorted((g for g in groups if g[1]), key=lambda g: (g[0] == FROZEN_GROUP, g[0]))
     buffers = tuple(build_flat_buffer(index, shapes, world_size) for index, shapes in ordered)
     return StorageLayout(unit_name, dtype, world_size, buffers)
+
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+"""A rectangular block of a tensor: ``(offsets, sizes)``, one entry per dimension."""
+
+
+def flat_range_boxes(shape: Sequence[int], start: int, stop: int) -> list[Box]:
+    """The rectangular blocks that the row-major elements ``[start, stop)`` of a tensor of
+    ``shape`` make up, in order: for a matrix a partial first row, whole rows, a partial
+    last row (at most 2 x (dims - 1) + 1 blocks in general). A shard's contiguous piece of
+    a parameter is saved as these blocks, so a checkpoint holds the parameter in its own
+    shape, as torch's distributed checkpoint writes a DTensor's shards."""
+    shape = tuple(int(s) for s in shape)
+    if not 0 <= start <= stop <= _numel(shape):
+        raise ValueError(f"elements [{start}, {stop}) are outside a tensor of shape {list(shape)}")
+    if start == stop:
+        return []
+    if not shape:
+        return [((), ())]
+    inner = _numel(shape[1:])
+    first, lead = divmod(start, inner)
+    last, tail = divmod(stop, inner)
+    if first == last:  # inside one slice of the leading dimension
+        return [((first, *o), (1, *s)) for o, s in flat_range_boxes(shape[1:], lead, tail)]
+    boxes: list[Box] = []
+    if lead:  # the partial first slice
+        boxes += [((first, *o), (1, *s)) for o, s in flat_range_boxes(shape[1:], lead, inner)]
+        first += 1
+    if last > first:  # whole slices
+        boxes.append(((first, *(0,) * (len(shape) - 1)), (last - first, *shape[1:])))
+    if tail:  # the partial last slice
+        boxes += [((last, *o), (1, *s)) for o, s in flat_range_boxes(shape[1:], 0, tail)]
+    return boxes
+
+
+def _numel(shape: Sequence[int]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count

@@ -1,83 +1,122 @@
-"""A sharded checkpoint to one plain ``torch.save`` file, offline (one process)."""
+"""Offline conversions (one process): a checkpoint folder to one plain ``torch.save`` file,
+and a folder of groupshard's first layout (every tensor 1-D) to today's."""
 
 from __future__ import annotations
 
-import math
+import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from groupshard.checkpoint import codec, folders
+from groupshard.checkpoint import codec, folders, reader
+from groupshard.checkpoint.entries import EXTRA, MODEL, OPTIM, STATE, group_entries
+from groupshard.checkpoint.errors import CheckpointError
 from groupshard.checkpoint.planner import Piece
-from groupshard.checkpoint.sharded import check_storage, read_pieces
+from groupshard.checkpoint.sharded import _single_process_is_meant, read_entries
 from groupshard.flatten import plain_optimizer_state
 
 
-def _whole(shape: list[int], dtype: Any) -> Piece:
-    return Piece.whole(torch.empty(shape, dtype=codec.dtype(dtype)))
-
-
-def _all_entries(meta: dict[str, Any]) -> dict[str, Piece]:
-    """A whole tensor for every entry the description lists, as saved."""
-    pieces = {
-        f"model.{fqn}": _whole([math.prod(spec["shape"])], spec["dtype"])
-        for fqn, spec in meta["params"].items()
+def read_whole(folder: Path, storage: Metadata) -> dict[str, Any]:
+    """Every entry of a checkpoint folder, whole (tensors) or decoded (plain values)."""
+    entries: dict[str, Any] = {
+        name: Piece.whole(torch.empty(entry.size, dtype=entry.properties.dtype))
+        if isinstance(entry, TensorStorageMetadata)
+        else None
+        for name, entry in storage.state_dict_metadata.items()
     }
-    for prefix, specs in (("buffers", meta["buffers"]), ("extra", meta["extra_tensors"])):
-        for name, spec in specs.items():
-            pieces[f"{prefix}.{name}"] = _whole(spec["shape"], spec["dtype"])
-    for fqn, described in meta.get("optim_state", {}).items():
-        for key, kind in described.items():
-            if kind["kind"] == "per_element":
-                numel = math.prod(meta["params"][fqn]["shape"])
-                pieces[f"optim.{fqn}.{key}"] = _whole([numel], kind["dtype"])
-            elif kind["kind"] == "tensor":
-                pieces[f"optim.{fqn}.{key}"] = _whole(kind["shape"], kind["dtype"])
-    return pieces
+    reader.check_files(folder, storage)
+    read = read_entries(folder, storage, entries, None)
+    return {n: e.data if isinstance(e, Piece) else read[n] for n, e in entries.items()}
 
 
 def to_torch_save(path: str | os.PathLike, output: str | os.PathLike) -> None:
     """Convert a checkpoint offline (one process) into one plain ``torch.save`` file.
 
     The file holds ``{"model": state dict of the unsharded model, "optim": plain
-    torch.optim state dict (if saved), "extra": ...}`` and loads with
-    ``torch.load(output, weights_only=True)``. Reads the checkpoint as safely as
-    ``load`` does, with the same errors.
+    torch.optim state dict, keyed as ``Optimizer.state_dict()`` numbers the parameters
+    (if saved), "extra": ...}`` and loads with ``torch.load(output, weights_only=True)``.
+    Reads the checkpoint as safely as ``load`` does, with the same errors.
     """
     folder, meta = folders.newest(Path(path))
-    pieces = _all_entries(meta)
-    storage = check_storage(folder, {name: piece.size for name, piece in pieces.items()})
-    read_pieces(folder, storage, pieces, None)
-    tensors = {name: piece.data for name, piece in pieces.items()}
-    model_state = {}
-    for fqn, spec in meta["params"].items():
-        value = tensors[f"model.{fqn}"].view(spec["shape"])
-        for alias in spec["aliases"]:
-            model_state[alias] = value
-    for name in meta["buffers"]:
-        model_state[name] = tensors[f"buffers.{name}"]
+    if meta is None:
+        raise CheckpointError(
+            f"{path} has no groupshard description; load it with gs.checkpoint.load, or "
+            "torch's torch.distributed.checkpoint.format_utils.dcp_to_torch_save"
+        )
+    values = read_whole(folder, reader.read_metadata(folder))
+    model_state = {n[len(MODEL) :]: v for n, v in values.items() if n.startswith(MODEL)}
     result: dict[str, Any] = {"model": model_state}
     if "groups" in meta:
-        result["optim"] = _plain_optim(meta, tensors)
+        per_fqn: dict[str, dict[str, Any]] = {}
+        start = OPTIM + STATE
+        for listed in (g["params"] for g in meta["groups"]):
+            for fqn in listed:
+                prefix = f"{start}{fqn}."
+                state = {n[len(prefix) :]: v for n, v in values.items() if n.startswith(prefix)}
+                if state:
+                    per_fqn[fqn] = state
+        groups = [(g["params"], codec.decode(g["hyperparameters"])) for g in meta["groups"]]
+        result["optim"] = plain_optimizer_state(groups, per_fqn)
     result["extra"] = {
         **{k: codec.decode(v) for k, v in meta["extra"].items()},
-        **{name: tensors[f"extra.{name}"] for name in meta["extra_tensors"]},
+        **{name: values[EXTRA + name] for name in meta["extra_tensors"]},
     }
     torch.save(result, output)
 
 
-def _plain_optim(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-    per_fqn: dict[str, dict[str, Any]] = {}
-    for fqn, described in meta["optim_state"].items():
-        entry = per_fqn.setdefault(fqn, {})
+def upgrade(path: str | os.PathLike, output: str | os.PathLike) -> None:
+    """Rewrite a checkpoint of groupshard's first layout (parameters and per-element state
+    1-D, ``optim.<fqn>.<key>``, ``buffers.<name>``) in today's: torch's names and the
+    parameters' shapes. Offline, one process; reads as safely as ``load``."""
+    folder = Path(path)
+    file = folder / folders.META_FILE
+    try:
+        meta = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"Cannot read {file} ({error})") from None
+    if not isinstance(meta, dict) or meta.get("format") != folders.FIRST_FORMAT:
+        raise CheckpointError(f"{file} does not describe a {folders.FIRST_FORMAT} checkpoint")
+    values = read_whole(folder, reader.read_metadata(folder))
+    entries: dict[str, Any] = {}
+    for fqn, spec in meta["params"].items():
+        for alias in spec["aliases"]:
+            entries[MODEL + alias] = values[f"model.{fqn}"].view(spec["shape"])
+    for name in meta["buffers"]:
+        entries[MODEL + name] = values[f"buffers.{name}"]
+    for fqn, described in meta.get("optim_state", {}).items():
         for key, kind in described.items():
+            name = f"{OPTIM}{STATE}{fqn}.{key}"
             if kind["kind"] == "per_element":
-                entry[key] = tensors[f"optim.{fqn}.{key}"].view(meta["params"][fqn]["shape"])
+                entries[name] = values[f"optim.{fqn}.{key}"].view(meta["params"][fqn]["shape"])
             elif kind["kind"] == "tensor":
-                entry[key] = tensors[f"optim.{fqn}.{key}"]
+                entries[name] = values[f"optim.{fqn}.{key}"]
             else:
-                entry[key] = codec.decode(kind["value"])
-    groups = [(g["params"], codec.decode(g["hyperparameters"])) for g in meta["groups"]]
-    return plain_optimizer_state(groups, per_fqn)
+                entries[name] = codec.decode(kind["value"])
+    if "groups" in meta:
+        listed = [g["params"] for g in meta["groups"]]
+        hyperparameters = [codec.decode(g["hyperparameters"]) for g in meta["groups"]]
+        entries.update(group_entries(listed, hyperparameters, OPTIM))
+    entries.update({EXTRA + name: values[EXTRA + name] for name in meta["extra_tensors"]})
+    output = Path(output)
+    temporary = folders.temporary_name(output, 0)
+    try:
+        with _single_process_is_meant():
+            dcp.save(
+                entries,
+                storage_writer=folders.FileWriter(temporary),
+                planner=DefaultSavePlanner(flatten_state_dict=False),
+                no_dist=True,
+            )
+        meta.pop("optim_state", None)
+        meta.update(format=folders.FORMAT, serial=1)
+        folders.write_meta(temporary, meta)
+        folders.replace(temporary, output, 1)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise

@@ -29,7 +29,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from groupshard.checkpoint.errors import CheckpointError
 
 META_FILE = "groupshard.json"
-FORMAT = "groupshard-checkpoint-1"
+FORMAT = "groupshard-checkpoint-2"
+FIRST_FORMAT = "groupshard-checkpoint-1"  # every entry 1-D: read by ``convert`` only
 _TEMPORARY, _PREVIOUS = ".tmp-", ".old-"
 # What every description holds (the loader relies on them); "serial" is absent in older ones.
 _REQUIRED = {"params": dict, "buffers": dict, "extra": dict, "extra_tensors": dict}
@@ -45,6 +46,12 @@ def read_meta(directory: Path) -> dict[str, Any]:
         raise CheckpointError(f"The checkpoint file {file} is missing") from None
     except (OSError, ValueError) as error:  # JSONDecodeError and UnicodeDecodeError included
         raise CheckpointError(f"The checkpoint file {file} is damaged ({error})") from None
+    if isinstance(meta, dict) and meta.get("format") == FIRST_FORMAT:
+        raise CheckpointError(
+            f"{file} describes a checkpoint in groupshard's first layout (every tensor 1-D), "
+            "which this version reads only to convert it: python -m groupshard.checkpoint "
+            f"convert {directory} NEW_FOLDER"
+        )
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         found = meta.get("format") if isinstance(meta, dict) else None
         raise CheckpointError(f"{file} does not describe a {FORMAT} checkpoint (format {found!r})")
@@ -92,18 +99,23 @@ def _complete(path: Path) -> list[tuple[tuple[int, bool, str], Path, dict[str, A
     return found
 
 
-def newest(path: Path) -> tuple[Path, dict[str, Any]]:
+def newest(path: Path) -> tuple[Path, dict[str, Any] | None]:
     """The newest complete checkpoint saved at ``path`` (it may be a leftover of a save that
-    was interrupted after writing it), and its description.
+    was interrupted after writing it), and its description; or ``path`` and None if it is
+    a folder written by another system with torch's idiom (DCP metadata, no description).
 
     FileNotFoundError if there is none; CheckpointError if ``path``'s description is damaged.
     """
     found = _complete(path)
+    if not found and (path / ".metadata").is_file():
+        return path, None
     if any(folder == path and meta is None for _, folder, meta in found):
         read_meta(path)  # raises, naming the damage
     readable = [(key, folder, meta) for key, folder, meta in found if meta is not None]
     if not readable:
-        raise FileNotFoundError(f"No groupshard checkpoint at {str(path)!r} (no {META_FILE})")
+        raise FileNotFoundError(
+            f"No checkpoint at {str(path)!r} (neither {META_FILE} nor DCP's .metadata)"
+        )
     _, folder, meta = max(readable, key=lambda entry: entry[0])
     assert meta is not None
     return folder, meta

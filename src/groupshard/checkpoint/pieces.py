@@ -1,33 +1,28 @@
-"""What a checkpoint holds of a model and its optimizer: pieces by entry name, and a
-description (names, shapes, dtypes, groups) for ``groupshard.json``.
+"""What a model and its optimizer hold, as the entries torch's checkpoint idiom names.
 
-Entries, the same whoever saved them:
+The names and shapes are those of ``get_state_dict(model, optimizer)`` on the unsharded
+model (what FSDP2, DDP and one process write with ``dcp.save``):
 
-- ``model.<fqn>``: an original parameter, 1-D (its numel elements), under its canonical
-  name (the description lists every name it is registered under);
-- ``buffers.<name>``: a buffer, whole;
-- ``optim.<fqn>.<key>``: a per-element optimizer state of a parameter (``exp_avg``...),
-  1-D like the parameter; other tensor state (``step``) whole, under every parameter
-  that shares it; non-tensor state goes to the description.
+- the model: every parameter under each name ``model.state_dict()`` gives it (tied ones
+  under each), in its own shape, and the persistent buffers;
+- the optimizer: ``state.<fqn>.<key>`` per parameter (its canonical name), per-element
+  state (``exp_avg``...) in the parameter's shape, other tensors (``step``) and plain
+  values as they are; the hyperparameters of each group.
 
-Two holders map what ranks hold onto entries, without communication:
+Two holders map what ranks hold onto these entries, without communication:
 
-- :class:`ShardedHolder`, a model from ``gs.shard`` and an optimizer over its shards:
-  a rank holds, of each parameter and of each per-element state, the contiguous piece
-  its shard contains (possibly none).
+- :class:`ShardedHolder`, a model from ``gs.shard`` and an optimizer over its shards: a
+  rank holds, of each parameter and of each per-element state, the contiguous piece its
+  shard contains (possibly none); a ``gs.optim.WholeParamOptimizer``'s owner holds the
+  whole state of the parameters it steps.
 - :class:`ZeroHolder`, a plain or DDP model and a ``gs.ZeroRedundancyOptimizer``: every
   rank holds the whole model but only its slice of each bucket's optimizer state. A rank
-  writes its slices of both (so the model's bytes are spread over the ranks too) and
-  reads the whole model back, and its new slices of the state.
+  offers its slices of both (so the model's bytes are spread over the ranks too) and
+  reads the whole model back.
 
-What every rank holds alike (a scalar state such as ``step``, a replicated flat buffer
-of ``no_shard``, a parameter the ZeRO optimizer does not step) is offered by every rank
-holding it and written once: DCP's planner keeps one copy of identical write items,
-choosing the rank with the least to write (``DefaultSavePlanner``'s deduplication).
-Buffers and tensor extras, which need not agree across ranks, are rank 0's.
-
-Both write the same format: a ZeRO checkpoint converts with ``to_torch_save`` and loads
-into a ``gs.shard`` model with the same param groups.
+What every rank holds alike (``step``, a replicated flat buffer of ``no_shard``, the
+replicas of a hybrid mesh) is offered by every rank holding it and written once (DCP's
+planner keeps one of identical write items).
 """
 
 from __future__ import annotations
@@ -43,7 +38,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from groupshard import comm, flatten
 from groupshard.api import ShardedModule
-from groupshard.checkpoint import codec
 from groupshard.checkpoint.planner import Piece
 from groupshard.full_state import check_optimizer
 from groupshard.optim.whole import WholeParamOptimizer
@@ -51,28 +45,41 @@ from groupshard.segments import ShardSegments, segments_of
 from groupshard.writes import note_parameters_written
 from groupshard.zero import ZeroRedundancyOptimizer
 
+Entry = Any  # a Piece (tensor data) or a plain value (number, string, tuple...)
+
+
+@dataclass(frozen=True)
+class Saved:
+    """What a checkpoint holds for one optimizer state key of one parameter: a tensor of
+    ``shape`` and ``dtype``, or (``shape`` None) a plain value."""
+
+    shape: torch.Size | None = None
+    dtype: torch.dtype | None = None
+
 
 def flat_pieces(
-    flat: torch.Tensor, segments: ShardSegments, names: Sequence[str]
-) -> dict[str, Piece]:
+    flat: torch.Tensor, segments: ShardSegments, shapes: Sequence[torch.Size]
+) -> list[Piece]:
     """Each parameter's piece of a shard-shaped tensor (a shard, or a per-element state
-    laid out like it), by entry name (``names``: one per parameter of the flat buffer, in
-    layout order). Pieces are views of ``flat``: DCP writes from and reads into it."""
+    laid out like it), in layout order. Pieces are views of ``flat``: DCP writes from and
+    reads into it."""
     buffer = segments.buffer
-    pieces: dict[str, Piece] = {}
     if not segments.needs_reduce:  # this rank holds the whole buffer (as every rank does)
-        for slot, name in zip(buffer.params, names, strict=True):
-            pieces[name] = Piece.whole(flat[slot.offset : slot.offset + slot.numel])
-        return pieces
+        return [
+            Piece.whole(flat[slot.offset : slot.offset + slot.numel].view(shape))
+            for slot, shape in zip(buffer.params, shapes, strict=True)
+        ]
     local = {segment.param_index: segment for segment in segments.pieces}
-    for index, (slot, name) in enumerate(zip(buffer.params, names, strict=True)):
-        size = torch.Size([slot.numel])
+    pieces = []
+    for index, shape in enumerate(shapes):
         segment = local.get(index)
         if segment is None:  # none of it here (or an empty parameter, held alike by all)
-            pieces[name] = Piece(flat[:0], size)
+            pieces.append(
+                Piece(flat[:0], shape) if shape.numel() else Piece.whole(flat[:0].view(shape))
+            )
         else:
             data = flat[segment.shard_offset : segment.shard_offset + segment.numel]
-            pieces[name] = Piece(data, size, segment.param_offset)
+            pieces.append(Piece(data, shape, segment.param_offset))
     return pieces
 
 
@@ -91,85 +98,152 @@ class OptimizerSlice:
         assert segments is not None
         return segments
 
+    @property
+    def shapes(self) -> list[torch.Size]:
+        return [torch.Size(slot.shape) for slot in self.segments.buffer.params]
 
-def _state_placement(
-    key: str, saved: torch.dtype, shard: torch.Tensor, group: dict[str, Any]
+
+def state_placement(
+    key: str, saved: torch.dtype, like: torch.Tensor, group: Mapping[str, Any]
 ) -> tuple[torch.dtype, torch.device]:
     """The dtype and device torch's ``Optimizer.load_state_dict`` gives a state tensor: the
     parameter's for floating parameters, except ``step`` (kept, or float32 on the
     parameter's device for fused and capturable optimizers)."""
     if key == "step":
         if group.get("fused") or group.get("capturable"):
-            return torch.float32, shard.device
+            return torch.float32, like.device
         return saved, torch.device("cpu")
-    return (shard.dtype if shard.is_floating_point() else saved), shard.device
+    return (like.dtype if like.is_floating_point() else saved), like.device
 
 
-def optimizer_pieces(
-    slices: Sequence[OptimizerSlice],
-) -> tuple[dict[str, Piece], dict[str, dict[str, Any]]]:
-    """The optimizer state's pieces by entry name, and the description of every state key
-    of every parameter."""
-    pieces: dict[str, Piece] = {}
-    described: dict[str, dict[str, Any]] = {}
-    for part in slices:
-        for key, value in part.states.get(part.shard, {}).items():
-            names = [f"optim.{fqn}.{key}" for fqn in part.fqns]
-            if flatten.is_per_element(value, part.shard):
-                pieces.update(flat_pieces(value.detach(), part.segments, names))
-                kind = {"kind": "per_element", "dtype": codec.dtype_name(value.dtype)}
-            elif isinstance(value, torch.Tensor):  # the same on every rank: written once
-                pieces.update({name: Piece.whole(value.detach()) for name in names})
-                kind = {"kind": "tensor", "shape": list(value.shape),
-                        "dtype": codec.dtype_name(value.dtype)}  # fmt: skip
-            else:
-                kind = {"kind": "value", "value": codec.encode(value)}
+def is_per_element(key: str, saved: Saved, shape: torch.Size) -> bool:
+    """Whether a saved state tensor is laid out like its parameter (vs ``step``)."""
+    if saved.shape is None or saved.shape != shape:
+        return False
+    return len(shape) > 0 or key not in flatten.SCALAR_STATE
+
+
+def slice_entries(part: OptimizerSlice) -> dict[str, dict[str, Entry]]:
+    """A slice's optimizer state per parameter and key: pieces of per-element state,
+    whole tensors (the same object under every parameter) and plain values."""
+    per_fqn: dict[str, dict[str, Entry]] = {fqn: {} for fqn in part.fqns}
+    for key, value in part.states.get(part.shard, {}).items():
+        if flatten.is_per_element(value, part.shard):
+            pieces = flat_pieces(value.detach(), part.segments, part.shapes)
+            for fqn, piece in zip(part.fqns, pieces, strict=True):
+                per_fqn[fqn][key] = piece
+        else:
+            entry = Piece.whole(value.detach()) if isinstance(value, torch.Tensor) else value
             for fqn in part.fqns:
-                described.setdefault(fqn, {})[key] = kind
-    return pieces, described
+                per_fqn[fqn][key] = entry
+    return {fqn: state for fqn, state in per_fqn.items() if state}
 
 
-def optimizer_destinations(
-    slices: Sequence[OptimizerSlice], described: Mapping[str, dict[str, Any]]
-) -> tuple[dict[str, Piece], list[tuple[OptimizerSlice, dict[str, Any]]]]:
-    """Pieces for DCP to fill (cast to their dtype), and per slice the state they become."""
-    pieces: dict[str, Piece] = {}
-    states = []
-    for part in slices:
-        state: dict[str, Any] = {}
-        for key, kind in described.get(part.fqns[0], {}).items():
-            if kind["kind"] == "value":
-                state[key] = codec.decode(kind["value"])
+class SliceDestination:
+    """Where a slice's state is read to (pieces and value slots per parameter and key), and
+    how it becomes the optimizer's state once read."""
+
+    def __init__(self, part: OptimizerSlice, saved: Mapping[str, Mapping[str, Saved]]) -> None:
+        self.part = part
+        self.entries: dict[str, dict[str, Entry]] = {}
+        self.state: dict[str, Any] = {}
+        keys = [tuple(sorted(saved.get(fqn, {}))) for fqn in part.fqns]
+        if len(set(keys)) > 1:
+            have = [f for f, k in zip(part.fqns, keys, strict=True) if k]
+            lack = [f for f, k in zip(part.fqns, keys, strict=True) if k != keys[0] or not k]
+            raise ValueError(
+                f"The checkpoint has optimizer state {sorted(set(keys[0]) | set(keys[-1]))} for "
+                f"some parameters of one flat buffer ({have[:4]}) but not alike for others "
+                f"({lack[:4]}); a flat buffer keeps all of its parameters' state or none"
+            )
+        shard, group = part.shard, part.group
+        for key in keys[0]:
+            first = saved[part.fqns[0]][key]
+            if all(
+                is_per_element(key, saved[f][key], s)
+                for f, s in zip(part.fqns, part.shapes, strict=True)
+            ):
+                assert first.dtype is not None
+                dtype, _ = state_placement(key, first.dtype, shard, group)
+                self.state[key] = torch.zeros_like(shard, dtype=dtype)
+                for fqn, piece in zip(
+                    part.fqns, flat_pieces(self.state[key], part.segments, part.shapes), strict=True
+                ):
+                    self.entries.setdefault(fqn, {})[key] = piece
                 continue
-            saved = codec.dtype(kind["dtype"])
-            dtype, device = _state_placement(key, saved, part.shard, part.group)
-            if kind["kind"] == "per_element":
-                state[key] = torch.zeros_like(part.shard, dtype=dtype)
-                names = [f"optim.{fqn}.{key}" for fqn in part.fqns]
-                pieces.update(flat_pieces(state[key], part.segments, names))
-            else:
-                state[key] = torch.zeros(kind["shape"], dtype=dtype, device=device)
-                pieces[f"optim.{part.fqns[0]}.{key}"] = Piece.whole(state[key])
-        states.append((part, state))
-    return pieces, states
+            for fqn in part.fqns:  # each parameter's own copy: they must agree (checked after)
+                spec = saved[fqn][key]
+                if spec.shape is None:
+                    self.entries.setdefault(fqn, {})[key] = None
+                else:
+                    assert spec.dtype is not None
+                    dtype, device = state_placement(key, spec.dtype, shard, group)
+                    tensor = torch.zeros(spec.shape, dtype=dtype, device=device)
+                    self.entries.setdefault(fqn, {})[key] = Piece.whole(tensor)
 
-
-def install_states(states: Sequence[tuple[OptimizerSlice, dict[str, Any]]]) -> None:
-    for part, state in states:
+    def install(self, values: Mapping[str, Mapping[str, Any]]) -> None:
+        """Become the optimizer's state; ``values``: the plain values read, per parameter."""
+        part = self.part
+        state = dict(self.state)
+        keys = {key for entries in self.entries.values() for key in entries} - set(state)
+        for key in sorted(keys):
+            found = []
+            for fqn in part.fqns:
+                entry = self.entries[fqn][key]
+                found.append(entry.data if isinstance(entry, Piece) else values[fqn][key])
+            flatten.check_one_scalar(key, found, part.segments.buffer)
+            state[key] = found[0]
         part.states.pop(part.shard, None)
         if state:
             part.states[part.shard] = state
 
 
-def _param_meta(shape: Sequence[int], dtype: torch.dtype, aliases: list[str]) -> dict[str, Any]:
-    return {"shape": list(shape), "dtype": codec.dtype_name(dtype), "aliases": aliases}
+def copy_into(destination: Piece, value: Any, name: str) -> None:
+    """Fill ``destination`` from ``value``: a piece of the same elements (a ParamPiece of
+    torch's sharded state dict) or the whole tensor (a full state dict)."""
+    source = getattr(value, "piece", None)
+    target = destination.data
+    if source is not None:
+        if source.data is target or (
+            source.data.data_ptr() == target.data_ptr()
+            and source.data.shape == target.shape
+            and source.data.numel()
+        ):
+            return  # loaded in place
+        if source.boxes != destination.boxes:
+            raise ValueError(
+                f"The state dict entry {name!r} holds elements {_range(source)} but this rank "
+                f"holds {_range(destination)}: pass a sharded state dict to the model it was "
+                "taken from, or a full one (StateDictOptions(full_state_dict=True))"
+            )
+        target.copy_(source.data)
+        return
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"The state dict entry {name!r} is a {type(value).__name__}, not a tensor")
+    if value.shape != destination.shape:
+        raise ValueError(
+            f"The state dict entry {name!r} has shape {list(value.shape)}, but the model's is "
+            f"{list(destination.shape)}"
+        )
+    if destination.is_whole:
+        target.copy_(value)
+    else:
+        start = destination.offset
+        target.copy_(value.reshape(-1)[start : start + target.numel()])
 
 
-def _buffers_meta(module: nn.Module) -> dict[str, Any]:
-    return {
-        name: {"shape": list(b.shape), "dtype": codec.dtype_name(b.dtype)}
-        for name, b in module.named_buffers()
-    }
+def _range(piece: Piece) -> str:
+    return f"[{piece.offset}, {piece.offset + piece.data.numel()})"
+
+
+def _persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers ``module.state_dict()`` holds, by name."""
+    found = {}
+    for prefix, owner in module.named_modules(remove_duplicate=False):
+        for name, buffer in owner._buffers.items():
+            if buffer is not None and name not in owner._non_persistent_buffers_set:
+                found.setdefault(f"{prefix}.{name}" if prefix else name, buffer)
+    return found
 
 
 class Holder(ABC):
@@ -180,12 +254,17 @@ class Holder(ABC):
     optimizer: torch.optim.Optimizer | None
 
     @abstractmethod
-    def model_meta(self) -> dict[str, Any]:
-        """``{"params": {fqn: shape, dtype, aliases}, "buffers": {...}, "frozen": [...]}``."""
+    def param_shapes(self) -> dict[str, tuple[torch.Size, torch.dtype, list[str]]]:
+        """Every parameter by canonical name: its shape, dtype and every name it has in
+        ``model.state_dict()``."""
+
+    @abstractmethod
+    def frozen(self) -> list[str]:
+        """The parameters no optimizer group steps."""
 
     @abstractmethod
     def param_pieces(self, loading: bool) -> tuple[dict[str, Piece], Callable[[], None]]:
-        """The parameters' pieces (``model.<fqn>``), and what to run once they are read."""
+        """The parameters' pieces by canonical name, and what to run once they are read."""
 
     @abstractmethod
     def listed_groups(self) -> list[list[str]]:
@@ -199,30 +278,56 @@ class Holder(ABC):
     def hyperparameter_groups(self) -> list[list[dict[str, Any]]]:
         """Per param group, the group dicts a load updates with the saved hyperparameters."""
 
-    def whole_state_pieces(self) -> tuple[dict[str, Piece], dict[str, dict[str, Any]]]:
-        """Optimizer state kept whole on owner ranks (none but in ShardedHolder)."""
-        return {}, {}
+    def buffers(self) -> dict[str, torch.Tensor]:
+        return {name: b.detach() for name, b in _persistent_buffers(self.module).items()}
 
-    def whole_state_destinations(
-        self, described: Mapping[str, dict[str, Any]]
-    ) -> tuple[dict[str, Piece], Callable[[], None]]:
-        return {}, lambda: None
+    def model_entries(self, loading: bool) -> tuple[dict[str, Piece], Callable[[], None]]:
+        """The model's entries under every name ``model.state_dict()`` gives (a tied
+        parameter's pieces under each), and what to run once they are read."""
+        pieces, after = self.param_pieces(loading)
+        entries = {}
+        for fqn, (_, _, aliases) in self.param_shapes().items():
+            for alias in aliases:
+                entries[alias] = pieces[fqn]
+        entries.update({name: Piece.whole(b) for name, b in self.buffers().items()})
+        return entries, after
 
-    def buffer_pieces(self) -> dict[str, Piece]:
-        return {
-            f"buffers.{name}": Piece.whole(buffer.detach(), write=self.ranks.rank == 0)
-            for name, buffer in self.module.named_buffers()
-        }
+    def optimizer_entries(self) -> dict[str, dict[str, Entry]]:
+        """The optimizer's state this rank holds, per parameter and key."""
+        per_fqn: dict[str, dict[str, Entry]] = {}
+        for part in self.slices():
+            per_fqn.update(slice_entries(part))
+        return per_fqn
 
-    def groups_meta(self) -> list[dict[str, Any]]:
+    def optimizer_destinations(
+        self, saved: Mapping[str, Mapping[str, Saved]]
+    ) -> tuple[dict[str, dict[str, Entry]], Callable[[Mapping[str, Mapping[str, Any]]], None]]:
+        """Where the saved optimizer state (``saved``: per parameter and key, what the
+        checkpoint holds) is read to on this rank, and what installs it once read (given
+        the plain values read)."""
+        destinations = [SliceDestination(part, saved) for part in self.slices()]
+        entries: dict[str, dict[str, Entry]] = {}
+        for destination in destinations:
+            entries.update(destination.entries)
+
+        def install(values: Mapping[str, Mapping[str, Any]]) -> None:
+            for destination in destinations:
+                destination.install(values)
+
+        return entries, install
+
+    def hyperparameters(self) -> list[dict[str, Any]]:
+        """Each param group's hyperparameters (everything but ``params``)."""
         assert self.optimizer is not None
         return [
-            {
-                "params": listed,
-                "hyperparameters": codec.encode({k: v for k, v in group.items() if k != "params"}),
-            }
-            for group, listed in zip(self.optimizer.param_groups, self.listed_groups(), strict=True)
+            {k: v for k, v in group.items() if k != "params"}
+            for group in self.optimizer.param_groups
         ]
+
+    def set_hyperparameters(self, per_group: Sequence[Mapping[str, Any]]) -> None:
+        for targets, values in zip(self.hyperparameter_groups(), per_group, strict=True):
+            for group in targets:
+                group.update(values)
 
 
 class ShardedHolder(Holder):
@@ -236,20 +341,19 @@ class ShardedHolder(Holder):
         if optimizer is not None:
             check_optimizer(model, optimizer)
 
-    def model_meta(self) -> dict[str, Any]:
-        params = {}
+    def param_shapes(self) -> dict[str, tuple[torch.Size, torch.dtype, list[str]]]:
+        found = {}
         for storage in self.state.storages:
             for buffer in storage.layout.buffers:
                 for slot in buffer.params:
                     aliases = [
                         f"{m}.{a}" if m else a for m, a in self.state.plan.registrations[slot.fqn]
                     ]
-                    params[slot.fqn] = _param_meta(slot.shape, storage.layout.dtype, aliases)
-        return {
-            "params": params,
-            "buffers": _buffers_meta(self.model),
-            "frozen": list(self.state.groups.frozen),
-        }
+                    found[slot.fqn] = (torch.Size(slot.shape), storage.layout.dtype, aliases)
+        return found
+
+    def frozen(self) -> list[str]:
+        return list(self.state.groups.frozen)
 
     def param_pieces(self, loading: bool) -> tuple[dict[str, Piece], Callable[[], None]]:
         pieces: dict[str, Piece] = {}
@@ -257,8 +361,9 @@ class ShardedHolder(Holder):
             for shard in storage.shards:
                 segments = segments_of(shard)
                 assert segments is not None
-                names = [f"model.{fqn}" for fqn in segments.fqns]
-                pieces.update(flat_pieces(shard.detach(), segments, names))
+                shapes = [torch.Size(slot.shape) for slot in segments.buffer.params]
+                found = flat_pieces(shard.detach(), segments, shapes)
+                pieces.update(zip(segments.fqns, found, strict=True))
         return pieces, note_parameters_written
 
     def listed_groups(self) -> list[list[str]]:
@@ -269,7 +374,7 @@ class ShardedHolder(Holder):
         slices = []
         whole = isinstance(self.optimizer, WholeParamOptimizer)
         for group in self.optimizer.param_groups:
-            if whole and group["whole"]:  # its state is the owners': whole_state_pieces
+            if whole and group["whole"]:  # its state is the owners': see owned_* below
                 continue
             for shard in group["params"]:
                 segments = segments_of(shard)
@@ -281,48 +386,52 @@ class ShardedHolder(Holder):
         assert self.optimizer is not None
         return [[group] for group in self.optimizer.param_groups]
 
-    def whole_state_pieces(self) -> tuple[dict[str, Piece], dict[str, dict[str, Any]]]:
-        """A ``gs.optim.WholeParamOptimizer``'s state of whole parameters, written by their
-        owners (``optim.<fqn>.<key>``, in the parameter's state shapes), and its
-        description from every rank (one gather)."""
-        if not isinstance(self.optimizer, WholeParamOptimizer):
-            return super().whole_state_pieces()
-        pieces: dict[str, Piece] = {}
-        described: dict[str, dict[str, Any]] = {}
-        for fqn, (_, state, _) in self.optimizer.owned_states().items():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor):
-                    pieces[f"optim.{fqn}.{key}"] = Piece.whole(value.detach())
-                    kind = {"kind": "tensor", "shape": list(value.shape),
-                            "dtype": codec.dtype_name(value.dtype)}  # fmt: skip
-                else:
-                    kind = {"kind": "value", "value": codec.encode(value)}
-                described.setdefault(fqn, {})[key] = kind
-        for found in comm.gather_objects(described, self.ranks):
-            for fqn, kinds in found.items():
-                described.setdefault(fqn, kinds)
-        return pieces, described
+    def optimizer_entries(self) -> dict[str, dict[str, Entry]]:
+        """Besides the slices' state, a ``gs.optim.WholeParamOptimizer``'s state of whole
+        parameters, offered by their owners in the state's own shapes."""
+        per_fqn = super().optimizer_entries()
+        if isinstance(self.optimizer, WholeParamOptimizer):
+            for fqn, (_, state, _) in self.optimizer.owned_states().items():
+                entries = {
+                    key: Piece.whole(value.detach()) if isinstance(value, torch.Tensor) else value
+                    for key, value in state.items()
+                }
+                if entries:
+                    per_fqn[fqn] = entries
+        return per_fqn
 
-    def whole_state_destinations(
-        self, described: Mapping[str, dict[str, Any]]
-    ) -> tuple[dict[str, Piece], Callable[[], None]]:
-        """Pieces to read the whole parameters' state this rank now steps into, and what
-        installs it once read."""
+    def optimizer_destinations(
+        self, saved: Mapping[str, Mapping[str, Saved]]
+    ) -> tuple[dict[str, dict[str, Entry]], Callable[[Mapping[str, Mapping[str, Any]]], None]]:
+        entries, install_slices = super().optimizer_destinations(saved)
         if not isinstance(self.optimizer, WholeParamOptimizer):
-            return super().whole_state_destinations(described)
+            return entries, install_slices
         optimizer = self.optimizer
-        pieces: dict[str, Piece] = {}
-        per_fqn: dict[str, dict[str, Any]] = {}
+        owned: dict[str, dict[str, Entry]] = {}
         for fqn, (whole, _, group) in optimizer.owned_states().items():
-            state = per_fqn.setdefault(fqn, {})
-            for key, kind in described.get(fqn, {}).items():
-                if kind["kind"] == "value":
-                    state[key] = codec.decode(kind["value"])
+            for key, spec in saved.get(fqn, {}).items():
+                if spec.shape is None:
+                    owned.setdefault(fqn, {})[key] = None
                     continue
-                dtype, device = _state_placement(key, codec.dtype(kind["dtype"]), whole, group)
-                state[key] = torch.zeros(kind["shape"], dtype=dtype, device=device)
-                pieces[f"optim.{fqn}.{key}"] = Piece.whole(state[key])
-        return pieces, lambda: optimizer.load_owned_state(per_fqn)
+                assert spec.dtype is not None
+                dtype, device = state_placement(key, spec.dtype, whole, group)
+                tensor = torch.zeros(spec.shape, dtype=dtype, device=device)
+                owned.setdefault(fqn, {})[key] = Piece.whole(tensor)
+        entries.update(owned)
+
+        def install(values: Mapping[str, Mapping[str, Any]]) -> None:
+            install_slices(values)
+            optimizer.load_owned_state(
+                {
+                    fqn: {
+                        key: entry.data if isinstance(entry, Piece) else values[fqn][key]
+                        for key, entry in state.items()
+                    }
+                    for fqn, state in owned.items()
+                }
+            )
+
+        return entries, install
 
 
 class ZeroHolder(Holder):
@@ -362,24 +471,19 @@ class ZeroHolder(Holder):
                 listed.append(self.fqn_of[id(param)])
             self.listed.append(listed)
 
-    def model_meta(self) -> dict[str, Any]:
+    def param_shapes(self) -> dict[str, tuple[torch.Size, torch.dtype, list[str]]]:
+        return {fqn: (p.shape, p.dtype, self.aliases[fqn]) for fqn, p in self.params.items()}
+
+    def frozen(self) -> list[str]:
         stepped = {fqn for listed in self.listed for fqn in listed}
-        return {
-            "params": {
-                fqn: _param_meta(p.shape, p.dtype, self.aliases[fqn])
-                for fqn, p in self.params.items()
-            },
-            "buffers": _buffers_meta(self.module),
-            "frozen": [fqn for fqn in self.params if fqn not in stepped],
-        }
+        return [fqn for fqn in self.params if fqn not in stepped]
 
     def param_pieces(self, loading: bool) -> tuple[dict[str, Piece], Callable[[], None]]:
-        if loading:  # every rank reads every parameter whole
-            return self._whole_params()
-        # parameters the optimizer does not step: every rank holds them alike
-        pieces = {
-            f"model.{fqn}": Piece.whole(p.detach().reshape(-1)) for fqn, p in self.params.items()
-        }
+        # every rank reads every parameter whole; parameters the optimizer does not step
+        # are held alike by every rank
+        pieces = {fqn: Piece.whole(p.detach()) for fqn, p in self.params.items()}
+        if loading:
+            return pieces, lambda: None
         for _, params, shard in self.zero.local_slices():
             segments = segments_of(shard)
             assert segments is not None
@@ -387,34 +491,18 @@ class ZeroHolder(Holder):
                 continue
             local = {segment.param_index: segment for segment in segments.pieces}
             for index, param in enumerate(params):
-                size, segment = torch.Size([param.numel()]), local.get(index)
+                segment, data = local.get(index), param.detach().reshape(-1)
                 if segment is None:  # none of it here
-                    piece = Piece(param.detach().new_empty(0), size)
+                    piece = (
+                        Piece(data[:0], param.shape)
+                        if param.numel()
+                        else pieces[self.fqn_of[id(param)]]
+                    )
                 else:
                     start = segment.param_offset
-                    data = param.detach().reshape(-1)[start : start + segment.numel]
-                    piece = Piece(data, size, start)
-                pieces[f"model.{self.fqn_of[id(param)]}"] = piece
+                    piece = Piece(data[start : start + segment.numel], param.shape, start)
+                pieces[self.fqn_of[id(param)]] = piece
         return pieces, lambda: None
-
-    def _whole_params(self) -> tuple[dict[str, Piece], Callable[[], None]]:
-        pieces: dict[str, Piece] = {}
-        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for fqn, param in self.params.items():
-            target = param.detach()
-            if target.is_contiguous():
-                data = target.view(-1)
-            else:  # read into a copy, written back once read
-                data = target.reshape(-1).clone()
-                copies.append((target, data))
-            pieces[f"model.{fqn}"] = Piece.whole(data)
-
-        def write_back() -> None:
-            with torch.no_grad():
-                for target, data in copies:
-                    target.copy_(data.view(target.shape))
-
-        return pieces, write_back
 
     def listed_groups(self) -> list[list[str]]:
         return [list(listed) for listed in self.listed]

@@ -1,135 +1,204 @@
-"""DCP planners over explicit pieces: each rank says which part of which entry it holds.
+"""What DCP writes and reads of a sharded parameter: its pieces, in the parameter's shape.
 
-An entry is a tensor under its own name in the checkpoint: an original parameter or a
-per-element optimizer state of it as a 1-D tensor of the parameter's numel, or a tensor
-saved whole (a buffer, a scalar state such as ``step``, an extra). A :class:`Piece` is
-one rank's contiguous part of an entry, with its offsets in the entry: the layout says
-where a rank's shards lie, so no communication is needed to know it.
+An entry is a tensor under its own name in the checkpoint, in its own shape: an original
+parameter, a per-element optimizer state of it (``exp_avg``...), or a tensor saved whole
+(a buffer, a scalar state such as ``step``, an extra). A :class:`Piece` is one rank's
+part of an entry: a contiguous range of its row-major elements (a flat shard holds a
+parameter's elements ``[offset, offset + n)``), which DCP sees as the rectangular blocks
+the range covers (``layout.flat_range_boxes``: a partial first row, whole rows, a partial
+last row). The layout says where a rank's shards lie, so no communication is needed.
 
-``PieceSavePlanner`` writes each piece a rank holds (``WriteItem`` with an explicit
-``ChunkStorageMetadata``); DCP's global plan keeps one of identical items that several
-ranks offer, collects the chunks into the checkpoint's metadata and checks that they
-tile every entry exactly once. ``PieceLoadPlanner`` asks
-for the part of every entry each rank holds now, whatever pieces the checkpoint was
-saved in (``create_read_items_for_chunk_list``: DCP's resharding), so a checkpoint
-loads at another world size, unit choice or strategy. Only public DCP classes are used.
+:class:`ParamPiece` hands a piece to DCP through the protocol DCP's default planners
+ask of a tensor that is one rank's part of a larger one (the protocol DTensor
+implements): ``__create_write_items__`` (one SHARD item per block), ``__create_chunk_list__``
+(the blocks it holds, for DCP's resharding on load) and ``__get_tensor_shard__`` (a view of
+one block). Its ``size()`` is the whole entry's, as a DTensor's is. DCP's global plan
+then keeps one of identical items several ranks offer (replicas, ``step``), and checks
+that the blocks tile every entry exactly once: a dropped piece fails the save.
+
+``SafeLoadPlanner`` is DCP's default load planner, but decodes non-tensor values (the
+hyperparameters of param groups, plain optimizer state) with ``torch.load(...,
+weights_only=True)``: nothing a checkpoint holds is run.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+import io
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     MetadataIndex,
     TensorProperties,
 )
 from torch.distributed.checkpoint.planner import (
-    LoadPlan,
-    SavePlan,
+    ReadItem,
     TensorWriteData,
     WriteItem,
     WriteItemType,
 )
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from groupshard.checkpoint.errors import CheckpointError, UnsafeCheckpointError
+from groupshard.layout import Box, flat_range_boxes
 
 
 @dataclass(frozen=True)
 class Piece:
-    """One rank's contiguous part of a checkpoint entry.
+    """One rank's part of a checkpoint entry of shape ``shape``.
 
-    ``data`` holds the elements ``[offset, offset + data.numel())`` of an entry of
-    ``size`` (1-D), or is the whole entry (``offset`` 0, ``size == data.shape``). It may
-    be empty (the rank holds none of the entry). When saving, it is offered for writing
-    if ``write``; when loading, ``data`` is the destination, filled in place (cast to
-    its dtype).
+    ``data`` holds the row-major elements ``[offset, offset + data.numel())`` of the entry
+    (1-D), or is the whole entry (``offset`` 0, ``data.shape == shape``). It may be empty
+    (the rank holds none of the entry). When loading, ``data`` is the destination, filled
+    in place (cast to its dtype).
     """
 
     data: torch.Tensor
-    size: torch.Size
+    shape: torch.Size
     offset: int = 0
-    write: bool = True
+    boxes: tuple[Box, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.is_whole:
+            boxes = [((0,) * len(self.shape), tuple(self.shape))]
+        else:
+            if self.data.dim() != 1:
+                raise ValueError(f"a piece of an entry of shape {list(self.shape)} is not 1-D")
+            boxes = flat_range_boxes(self.shape, self.offset, self.offset + self.data.numel())
+        object.__setattr__(self, "boxes", tuple(boxes))
 
     @staticmethod
-    def whole(data: torch.Tensor, write: bool = True) -> Piece:
-        return Piece(data, data.shape, 0, write)
+    def whole(data: torch.Tensor) -> Piece:
+        return Piece(data, data.shape)
 
     @property
     def is_whole(self) -> bool:
-        return self.data.shape == self.size
+        return self.data.shape == self.shape
 
     @property
-    def chunk(self) -> ChunkStorageMetadata:
-        """Where the piece lies in its entry (offsets and sizes per dimension)."""
+    def chunks(self) -> list[ChunkStorageMetadata]:
+        """Where the piece lies in its entry: one block per chunk."""
+        return [
+            ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in self.boxes
+        ]
+
+    def block(self, offsets: Sequence[int]) -> torch.Tensor:
+        """A view of the block starting at ``offsets``, in its shape."""
         if self.is_whole:
-            offsets = torch.Size([0] * len(self.size))
-            return ChunkStorageMetadata(offsets=offsets, sizes=self.size)
-        return ChunkStorageMetadata(
-            offsets=torch.Size([self.offset]), sizes=torch.Size([self.data.numel()])
+            return self.data
+        start = 0
+        for box_offsets, sizes in self.boxes:
+            numel = _numel(sizes)
+            if tuple(box_offsets) == tuple(offsets):
+                return self.data[start : start + numel].view(sizes)
+            start += numel
+        raise ValueError(f"no block of this piece starts at {list(offsets)}")
+
+    def write_items(self, name: str) -> list[WriteItem]:
+        kind = WriteItemType.TENSOR if self.is_whole else WriteItemType.SHARD
+        properties = TensorProperties(dtype=self.data.dtype)
+        return [
+            WriteItem(
+                index=MetadataIndex(name, chunk.offsets),
+                type=kind,
+                tensor_data=TensorWriteData(chunk=chunk, properties=properties, size=self.shape),
+            )
+            for chunk in self.chunks
+        ]
+
+    def dcp_value(self) -> torch.Tensor:
+        """What DCP is handed: the whole tensor, or a :class:`ParamPiece`."""
+        return self.data if self.is_whole else ParamPiece(self)
+
+
+def _numel(sizes: Sequence[int]) -> int:
+    count = 1
+    for size in sizes:
+        count *= size
+    return count
+
+
+class ParamPiece(torch.Tensor):
+    """A rank's piece of a parameter (or of a per-element state), for DCP and torch's
+    state-dict API: the size, dtype and device of the whole entry, the data of the piece.
+
+    It is no tensor to compute with (any operation raises, naming what to use instead);
+    ``piece`` and ``local()`` give the rank's elements. ``dcp.save`` writes its blocks,
+    ``dcp.load`` reads into them in place.
+    """
+
+    piece: Piece
+
+    @staticmethod
+    def __new__(cls, piece: Piece) -> ParamPiece:
+        data = piece.data
+        made = torch.Tensor._make_wrapper_subclass(
+            cls, piece.shape, dtype=data.dtype, device=data.device, requires_grad=False
+        )
+        made.piece = piece
+        return made
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten.detach.default:
+            return args[0]
+        raise TypeError(
+            f"{func} on a piece of a sharded parameter: this rank holds only a range of its "
+            "elements (ParamPiece.local()). For whole tensors ask torch's state-dict API for "
+            "StateDictOptions(full_state_dict=True), or use gs.full_state_dict / "
+            "gs.optim_state_dict."
         )
 
-    def write_item(self, name: str) -> WriteItem:
-        chunk = self.chunk
-        return WriteItem(
-            index=MetadataIndex(name, chunk.offsets),
-            type=WriteItemType.TENSOR if self.is_whole else WriteItemType.SHARD,
-            tensor_data=TensorWriteData(
-                chunk=chunk, properties=TensorProperties(dtype=self.data.dtype), size=self.size
-            ),
+    def __repr__(self) -> str:  # type: ignore[override]
+        piece = self.piece
+        return (
+            f"ParamPiece(shape={list(piece.shape)}, elements [{piece.offset}, "
+            f"{piece.offset + piece.data.numel()}), dtype={piece.data.dtype})"
         )
 
+    def local(self) -> torch.Tensor:
+        """This rank's elements (1-D), a view of the shard they live in."""
+        return self.piece.data
 
-def check_pieces(pieces: Mapping[str, Piece]) -> None:
-    """Every piece is a 1-D part of a 1-D entry, inside it, or a whole tensor."""
-    for name, piece in pieces.items():
-        if piece.is_whole:
-            continue
-        if len(piece.size) != 1 or piece.data.dim() != 1:
-            raise ValueError(f"Piece {name!r} of size {list(piece.size)} is not 1-D")
-        if not 0 <= piece.offset <= piece.offset + piece.data.numel() <= piece.size[0]:
-            raise ValueError(f"Piece {name!r} lies outside its entry of size {list(piece.size)}")
+    # DCP's protocol for a tensor that is one rank's part of a larger one
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        return self.piece.write_items(fqn)
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return self.piece.chunks
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        if index.offset is None:
+            raise ValueError(f"a piece of {index.fqn!r} is asked for without offsets")
+        return self.piece.block(index.offset)
 
 
-class PieceSavePlanner(DefaultSavePlanner):
-    """Writes the pieces this rank holds, each with its chunk in its entry (empty ones
-    only when they are the whole entry). DCP's global plan stays DCP's own: identical
-    items offered by several ranks (what all hold alike) are written by one, and the
-    chunks of every entry must cover it exactly once."""
+def decode_value(data: bytes, name: str) -> Any:
+    """A non-tensor checkpoint value, decoded without running anything it holds."""
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as error:
+        text = str(error)
+        if "Unsupported global" in text or "WeightsUnpickler" in text:
+            raise UnsafeCheckpointError(
+                f"The checkpoint entry {name!r} holds a pickle of something other than plain "
+                f"values; refused, nothing in it was run ({text.splitlines()[0][:200]})"
+            ) from None
+        raise CheckpointError(f"The checkpoint entry {name!r} is damaged ({error})") from None
 
-    def __init__(self, pieces: Mapping[str, Piece]) -> None:
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner over a flat state dict (names as the checkpoint's), decoding
+    non-tensor values with ``weights_only=True``."""
+
+    def __init__(self) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        check_pieces(pieces)
-        self.pieces = {
-            name: p for name, p in pieces.items() if p.write and (p.data.numel() or p.is_whole)
-        }
 
-    def create_local_plan(self) -> SavePlan:
-        self.plan = SavePlan([piece.write_item(name) for name, piece in self.pieces.items()])
-        return self.plan
-
-    def lookup_object(self, index: MetadataIndex) -> torch.Tensor:
-        return self.pieces[index.fqn].data.detach()
-
-
-class PieceLoadPlanner(DefaultLoadPlanner):
-    """Reads into each piece the elements of its entry that it covers, from whichever
-    saved pieces hold them (DCP's ``create_read_items_for_chunk_list``)."""
-
-    def __init__(self, pieces: Mapping[str, Piece]) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        check_pieces(pieces)
-        self.pieces = {name: p for name, p in pieces.items() if p.data.numel()}
-
-    def create_local_plan(self) -> LoadPlan:
-        assert self.metadata is not None
-        saved = self.metadata.state_dict_metadata
-        items = []
-        for name, piece in self.pieces.items():
-            items += create_read_items_for_chunk_list(name, saved[name], [piece.chunk])
-        return LoadPlan(items)
-
-    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        return self.pieces[index.fqn].data.detach()
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        self.state_dict[fqn] = decode_value(value.getvalue(), fqn)

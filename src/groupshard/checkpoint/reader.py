@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import io
+import math
 import pickle
 from collections.abc import Mapping, Sequence
 from pathlib import Path, PurePosixPath, PureWindowsPath
@@ -27,6 +28,7 @@ from torch.distributed.checkpoint import FileSystemReader
 # pickle of TensorProperties refers to). Nothing here calls them; they are checked types.
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
@@ -37,6 +39,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from groupshard.checkpoint.errors import CheckpointError, UnsafeCheckpointError
+from groupshard.checkpoint.planner import SafeLoadPlanner
 
 METADATA_FILE = ".metadata"  # the name torch's FileSystemWriter gives it
 
@@ -47,6 +50,7 @@ _ALLOWED = {
     "torch.distributed.checkpoint.metadata": (
         "Metadata",
         "TensorStorageMetadata",
+        "BytesStorageMetadata",
         "ChunkStorageMetadata",
         "TensorProperties",
         "MetadataIndex",
@@ -124,8 +128,12 @@ def _check_metadata(metadata: Any, file: Path) -> None:
         if getattr(info, "transform_descriptors", None):
             fail(f"entry {index.fqn!r} is stored through stream transforms")
     for name, entry in metadata.state_dict_metadata.items():
+        if isinstance(entry, BytesStorageMetadata):  # a plain value, decoded weights-only
+            if MetadataIndex(name) not in storage:
+                fail(f"entry {name!r} has no data")
+            continue
         if not isinstance(entry, TensorStorageMetadata):
-            fail(f"entry {name!r} is a {type(entry).__name__}; groupshard writes only tensors")
+            fail(f"entry {name!r} is a {type(entry).__name__}, not a tensor or a value")
         problem = _chunk_problem(name, entry, storage)
         if problem:
             fail(f"entry {name!r} {problem}")
@@ -161,15 +169,34 @@ def _chunk_problem(name: str, entry: TensorStorageMetadata, storage: dict) -> st
             return f"has a piece outside its size {list(size)}"
         if MetadataIndex(name, chunk.offsets, position) not in storage:
             return "has a piece with no data"
-    if len(size) == 1:  # sharded parameters and their state: pieces end to end
-        end = 0
-        for chunk in sorted(chunks, key=lambda c: c.offsets[0]):
-            if chunk.offsets[0] != end:
-                return "has pieces that overlap or leave a gap"
-            end += chunk.sizes[0]
-        return None if end == size[0] else "has pieces that do not reach its end"
-    if len(chunks) != 1 or chunks[0].sizes != size:  # other tensors are saved whole
+    return _tiling_problem(chunks, size)
+
+
+def _tiling_problem(chunks: list[ChunkStorageMetadata], size: torch.Size) -> str | None:
+    """Why blocks do not tile a tensor of ``size`` exactly once (None if they do): their
+    volumes add up to its and no two overlap (a sweep along the first dimension)."""
+    total = math.prod(size)
+    if sum(math.prod(chunk.sizes) for chunk in chunks) != total:
         return "is saved in pieces that do not cover it once"
+    if not size:
+        return None if len(chunks) == 1 else "is saved in pieces that do not cover it once"
+    ordered = sorted(chunks, key=lambda c: tuple(c.offsets))
+    for position, chunk in enumerate(ordered):
+        end = chunk.offsets[0] + chunk.sizes[0]
+        for other in ordered[position + 1 :]:
+            if other.offsets[0] >= end:
+                break
+            if (
+                math.prod(chunk.sizes)
+                and math.prod(other.sizes)
+                and all(
+                    o1 < o2 + n2 and o2 < o1 + n1
+                    for o1, n1, o2, n2 in zip(
+                        chunk.offsets, chunk.sizes, other.offsets, other.sizes, strict=True
+                    )
+                )
+            ):
+                return "has pieces that overlap"
     return None
 
 
@@ -264,6 +291,7 @@ class SafeFileSystemReader(FileSystemReader):
         self._piece_sizes = {
             (name, tuple(chunk.offsets)): chunk.sizes
             for name, entry in metadata.state_dict_metadata.items()
+            if isinstance(entry, TensorStorageMetadata)
             for chunk in entry.chunks
         }
 
@@ -275,10 +303,10 @@ class SafeFileSystemReader(FileSystemReader):
         storage = self._metadata.storage_data
         per_file: dict[str, list[Any]] = {}
         for item in plan.items:
-            if item.type != LoadItemType.TENSOR:
+            if item.type != LoadItemType.TENSOR and not isinstance(planner, SafeLoadPlanner):
                 raise UnsafeCheckpointError(
                     f"The checkpoint in {self._directory} asks to unpickle a non-tensor entry "
-                    f"{item.dest_index.fqn!r}; groupshard writes only tensors, so it is refused"
+                    f"{item.dest_index.fqn!r} through a planner that would run it; refused"
                 )
             per_file.setdefault(storage[item.storage_index].relative_path, []).append(item)
         for name, items in per_file.items():
@@ -302,6 +330,9 @@ class SafeFileSystemReader(FileSystemReader):
         data = stream.read(info.length)
         if len(data) != info.length:
             raise CheckpointError(f"The checkpoint file {file} is truncated (entry {name!r})")
+        if item.type == LoadItemType.BYTE_IO:  # decoded weights-only (SafeLoadPlanner)
+            planner.load_bytes(item, io.BytesIO(data))
+            return
         saved = _decode_tensor(data, file, name)
         expected = self._piece_sizes[(name, tuple(item.storage_index.offset))]
         if saved.size() != expected:

@@ -1,11 +1,12 @@
 """``save``, ``load``, ``exists`` and ``read_extra``: sharded checkpoints in a folder.
 
-A save gathers nothing: each rank hands DCP its pieces (``pieces``) through
-``PieceSavePlanner`` into a temporary folder, rank 0 writes the description last, and
-the folder replaces ``path`` (``folders``). A load compares the description with the
-model and optimizer first (a ValueError listing the differences, on every rank before
-any rank reads), checks the DCP metadata and data files (``reader``), then reads through
-``PieceLoadPlanner`` and the safe reader.
+A save gathers nothing: each rank hands DCP its entries (``entries``: torch's names, its
+pieces as ``ParamPiece`` blocks) through DCP's default planner into a temporary folder,
+rank 0 writes the description last, and the folder replaces ``path`` (``folders``). A load
+reads the folder's DCP metadata safely (``reader``), finds where it keeps the model and the
+optimizer (groupshard's, torch's recipe's or torchtitan's names), compares it with the model
+(a ValueError listing the differences, on every rank before any rank reads), then reads
+through the safe reader and installs the optimizer's state and hyperparameters.
 """
 
 from __future__ import annotations
@@ -21,20 +22,30 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
 from groupshard import comm
 from groupshard.checkpoint import codec, folders, reader
+from groupshard.checkpoint.entries import (
+    EXTRA,
+    MODEL,
+    STATE,
+    dcp_value,
+    find_prefixes,
+    group_destinations,
+    model_destinations,
+    model_entries,
+    model_problems,
+    optimizer_entries,
+    read_value,
+    saved_hyperparameters,
+    saved_optimizer_state,
+)
 from groupshard.checkpoint.errors import CheckpointError, NoSpaceError
 from groupshard.checkpoint.folders import FORMAT
-from groupshard.checkpoint.pieces import (
-    Holder,
-    holder_of,
-    install_states,
-    optimizer_destinations,
-    optimizer_pieces,
-)
-from groupshard.checkpoint.planner import Piece, PieceLoadPlanner, PieceSavePlanner
+from groupshard.checkpoint.pieces import Holder, holder_of
+from groupshard.checkpoint.planner import Piece, SafeLoadPlanner
 
 
 @contextmanager
@@ -79,31 +90,34 @@ def check_storage(folder: Path, sizes: Mapping[str, torch.Size]) -> Metadata:
     return storage
 
 
-def read_pieces(
-    folder: Path, storage: Metadata, pieces: Mapping[str, Piece], ranks: comm.Ranks | None
-) -> None:
-    """Fill ``pieces`` through the safe reader (one process if ``ranks`` is None); a
-    failure on any rank is one CheckpointError on every rank."""
-    state_dict = {name: piece.data for name, piece in pieces.items()}
+def read_entries(
+    folder: Path, storage: Metadata, entries: Mapping[str, Any], ranks: comm.Ranks | None
+) -> dict[str, Any]:
+    """Fill ``entries`` (pieces, read in place; plain values, returned by name) through the
+    safe reader (one process if ``ranks`` is None); a failure on any rank is one
+    CheckpointError on every rank."""
+    state_dict = {name: dcp_value(entry) for name, entry in entries.items()}
     try:
         with torch.no_grad(), _single_process_is_meant():
             dcp.load(
                 state_dict,
                 storage_reader=reader.SafeFileSystemReader(folder, storage),
-                planner=PieceLoadPlanner(pieces),
+                planner=SafeLoadPlanner(),
                 **_dcp_kwargs(ranks),
             )
     except dcp.CheckpointException as failure:  # a BaseException with every rank's traceback
         raise _load_error(failure, folder) from None
+    return state_dict
 
 
-def _extra_pieces(extra: Mapping[str, Any], rank: int) -> tuple[dict[str, Piece], dict, dict]:
+def _extra_entries(extra: Mapping[str, Any], rank: int) -> tuple[dict[str, Piece], dict, dict]:
     pieces: dict[str, Piece] = {}
     plain: dict[str, Any] = {}
     tensors: dict[str, Any] = {}
     for name, value in extra.items():
         if isinstance(value, torch.Tensor):
-            pieces[f"extra.{name}"] = Piece.whole(value.detach(), write=rank == 0)
+            if rank == 0:  # tensors given as extra need not agree across ranks: rank 0's
+                pieces[EXTRA + name] = Piece.whole(value.detach())
             tensors[name] = {"shape": list(value.shape), "dtype": codec.dtype_name(value.dtype)}
         else:
             plain[name] = codec.encode(value)
@@ -134,32 +148,34 @@ def save(
     holder = holder_of(model, optimizer, "save")
     ranks = holder.ranks
     path = Path(path)
-    pieces, _ = holder.param_pieces(loading=False)
-    pieces.update(holder.buffer_pieces())
-    meta: dict[str, Any] = {"format": FORMAT, "world_size": ranks.size, **holder.model_meta()}
+    entries: dict[str, Any]
+    entries, _ = model_entries(holder, loading=False)
+    if ranks.rank != 0:  # buffers need not agree across ranks: rank 0's are saved
+        for name in holder.buffers():
+            entries.pop(MODEL + name)
+    meta: dict[str, Any] = {"format": FORMAT, "world_size": ranks.size, **_model_meta(holder)}
     if optimizer is not None:
-        optim_pieces, meta["optim_state"] = optimizer_pieces(holder.slices())
-        pieces.update(optim_pieces)
-        whole_pieces, whole_described = holder.whole_state_pieces()
-        pieces.update(whole_pieces)
-        meta["optim_state"].update(whole_described)
-        meta["groups"] = holder.groups_meta()
-    extra_pieces, meta["extra"], meta["extra_tensors"] = _extra_pieces(extra or {}, ranks.rank)
-    pieces.update(extra_pieces)
+        entries.update(optimizer_entries(holder))
+        meta["groups"] = [
+            {"params": listed, "hyperparameters": codec.encode(values)}
+            for listed, values in zip(holder.listed_groups(), holder.hyperparameters(), strict=True)
+        ]
+    extra_entries, meta["extra"], meta["extra_tensors"] = _extra_entries(extra or {}, ranks.rank)
+    entries.update(extra_entries)
     # the save counter orders checkpoints and leftovers of interrupted saves (see folders)
     serial = folders.next_serial(path) if ranks.rank == 0 else 0
     meta["serial"] = serial
     temporary = comm.gather_objects(folders.temporary_name(path, serial), ranks)[0]
     failure: BaseException | None = None
     try:
-        state_dict = {name: piece.data for name, piece in pieces.items() if piece.write}
+        state_dict = {name: dcp_value(entry) for name, entry in entries.items()}
         try:
             with _single_process_is_meant():
                 dcp.save(
                     state_dict,
                     checkpoint_id=temporary,
                     storage_writer=folders.FileWriter(temporary),
-                    planner=PieceSavePlanner(pieces),
+                    planner=DefaultSavePlanner(flatten_state_dict=False),
                     **_dcp_kwargs(ranks),
                 )
         except dcp.CheckpointException as error:  # a BaseException, raised on every rank
@@ -173,7 +189,7 @@ def save(
     if failure is not None:
         if ranks.rank == 0:
             shutil.rmtree(temporary, ignore_errors=True)
-        error = _save_error(failure, path, pieces, ranks)
+        error = _save_error(failure, path, entries, ranks)
         raise error from (None if isinstance(failure, dcp.CheckpointException) else failure)
 
 
@@ -197,7 +213,7 @@ def _on_rank_0(function: Any, ranks: comm.Ranks, *args: Any) -> BaseException | 
 
 
 def _save_error(
-    failure: BaseException, path: Path, pieces: Mapping[str, Piece], ranks: comm.Ranks
+    failure: BaseException, path: Path, entries: Mapping[str, Any], ranks: comm.Ranks
 ) -> Exception:
     """The error every rank raises for a failed save (``failure``, alike on each): a
     NoSpaceError if a write found no space left, else a RuntimeError naming the first
@@ -210,7 +226,11 @@ def _save_error(
     if any(folders.no_space(cause) for cause in causes):
         space = None
         if ranks.rank == 0:  # about what it takes: the previous checkpoint's files, or more
-            tensors = sum(p.size.numel() * p.data.element_size() for p in pieces.values())
+            tensors = sum(
+                p.shape.numel() * p.data.element_size()
+                for p in entries.values()
+                if isinstance(p, Piece)
+            )
             space = (max(tensors, folders.size(path)), folders.free_bytes(path.parent))
         needed, free = comm.gather_objects(space, ranks)[0]
         return NoSpaceError(str(path), needed, free)
@@ -237,50 +257,44 @@ def read_extra(path: str | os.PathLike) -> dict[str, Any]:
     a CheckpointError here already."""
     folder, meta = folders.newest(Path(path))
     reader.check_files(folder, reader.read_metadata(folder))
-    return {k: codec.decode(v) for k, v in meta["extra"].items()}
+    return {k: codec.decode(v) for k, v in meta["extra"].items()} if meta else {}
 
 
-def _differences(kind: str, expected: list[str], found: list[str]) -> list[str]:
-    missing = [n for n in expected if n not in found]
-    unexpected = [n for n in found if n not in expected]
-    out = []
-    if missing:
-        out.append(f"{len(missing)} {kind} missing from the checkpoint: {missing[:8]}")
-    if unexpected:
-        out.append(f"{len(unexpected)} unexpected {kind} in the checkpoint: {unexpected[:8]}")
-    return out
-
-
-def _check_model(ours: dict[str, Any], meta: dict[str, Any]) -> None:
-    problems = _differences("parameters", list(ours["params"]), list(meta["params"]))
-    problems += _differences("buffers", list(ours["buffers"]), list(meta["buffers"]))
-    for name, entry in ours["params"].items():
-        saved = meta["params"].get(name)
-        if saved and saved["shape"] != entry["shape"]:
-            problems.append(f"parameter {name!r} has shape {saved['shape']} in the checkpoint "
-                            f"but {entry['shape']} in the model")  # fmt: skip
-    if problems:
-        raise ValueError("The checkpoint does not match the model: " + "; ".join(problems))
+def _model_meta(holder: Holder) -> dict[str, Any]:
+    """Names, shapes and dtypes, for people and tools reading the folder (a load reads the
+    DCP metadata, which every writer of torch's idiom leaves)."""
+    return {
+        "params": {
+            fqn: {"shape": list(shape), "dtype": codec.dtype_name(dtype), "aliases": aliases}
+            for fqn, (shape, dtype, aliases) in holder.param_shapes().items()
+        },
+        "buffers": {
+            name: {"shape": list(b.shape), "dtype": codec.dtype_name(b.dtype)}
+            for name, b in holder.buffers().items()
+        },
+        "frozen": holder.frozen(),
+    }
 
 
 def _check_groups(ours: list[list[str]], meta: dict[str, Any]) -> None:
-    if "groups" not in meta:
-        raise ValueError("The checkpoint has no optimizer state; load it without an optimizer")
+    """A groupshard checkpoint's groups against the optimizer's: the same structure."""
     saved = [g["params"] for g in meta["groups"]]
     if len(ours) != len(saved):
         raise ValueError(
             f"The checkpoint has {len(saved)} param groups but the optimizer has {len(ours)}"
         )
     for index, (mine, theirs) in enumerate(zip(ours, saved, strict=True)):
-        problems = _differences("parameters", mine, theirs)
+        missing = [n for n in mine if n not in theirs]
+        unexpected = [n for n in theirs if n not in mine]
+        problems = []
+        if missing:
+            problems.append(f"{len(missing)} parameters missing from the checkpoint: {missing[:8]}")
+        if unexpected:
+            problems.append(
+                f"{len(unexpected)} unexpected parameters in the checkpoint: {unexpected[:8]}"
+            )
         if problems:
             raise ValueError(f"Param group {index} differs: " + "; ".join(problems))
-
-
-def _load_hyperparameters(holder: Holder, meta: dict[str, Any]) -> None:
-    for targets, saved in zip(holder.hyperparameter_groups(), meta["groups"], strict=True):
-        for group in targets:
-            group.update(codec.decode(saved["hyperparameters"]))
 
 
 def load(
@@ -288,46 +302,75 @@ def load(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
 ) -> dict[str, Any]:
-    """Load a checkpoint written by ``save`` (at any world size) into ``model`` and ``optimizer``.
+    """Load a checkpoint into ``model`` and ``optimizer``, at any world size: one written by
+    ``save``, or a folder written with torch's idiom (``dcp.save`` of ``get_state_dict``) by
+    FSDP2, DDP, one process or torchtitan.
 
     Collective. Loads the newest complete checkpoint at ``path`` (or left beside it by
     an interrupted save). ``model`` and ``optimizer`` as for ``save``: a ``gs.shard``
     model (any unit choice and strategy) or a plain/DDP model with its
-    ``gs.ZeroRedundancyOptimizer``, whichever saved the checkpoint. Checks names, shapes
-    and group structure first and raises a ValueError listing what differs; a missing,
-    damaged or crafted file raises a :class:`CheckpointError` (a ValueError) naming it,
-    on every rank, and nothing in the checkpoint is run. Optimizer state takes its
-    parameter's dtype, as with ``Optimizer.load_state_dict``. Returns the ``extra``
-    given to ``save``.
+    ``gs.ZeroRedundancyOptimizer``. The optimizer keeps its groups; each takes the
+    hyperparameters the checkpoint has for its parameters, as ``Optimizer.load_state_dict``
+    does. Checks names and shapes first and raises a ValueError listing what differs; a
+    missing, damaged or crafted file raises a :class:`CheckpointError` (a ValueError)
+    naming it, on every rank, and nothing in the checkpoint is run. Optimizer state takes
+    its parameter's dtype, as with ``Optimizer.load_state_dict``. Returns the ``extra``
+    given to ``save`` (empty for folders written by others).
     """
     holder = holder_of(model, optimizer, "load")
     ranks = holder.ranks
     error = None
     try:
         folder, meta = folders.newest(Path(path))
-        _check_model(holder.model_meta(), meta)
-        pieces, after_read = holder.param_pieces(loading=True)
-        pieces.update(holder.buffer_pieces())
-        states, install_whole = [], lambda: None
+        storage = reader.read_metadata(folder)
+        prefixes = find_prefixes(storage, holder)
+        problems = model_problems(storage, holder, prefixes.model)
+        if problems:
+            raise ValueError("The checkpoint does not match the model: " + "; ".join(problems))
+        entries: dict[str, Any]
+        entries, after_read = model_destinations(holder, storage, prefixes.model)
+        install_optimizer: Any = None
         if optimizer is not None:
-            _check_groups(holder.listed_groups(), meta)
-            optim_pieces, states = optimizer_destinations(holder.slices(), meta["optim_state"])
-            pieces.update(optim_pieces)
-            whole_pieces, install_whole = holder.whole_state_destinations(meta["optim_state"])
-            pieces.update(whole_pieces)
-        extra_tensors = {
-            name: torch.empty(spec["shape"], dtype=codec.dtype(spec["dtype"]))
-            for name, spec in meta["extra_tensors"].items()
-        }
-        pieces.update({f"extra.{name}": Piece.whole(t) for name, t in extra_tensors.items()})
-        storage = check_storage(folder, {name: piece.size for name, piece in pieces.items()})
+            if prefixes.optim is None:
+                raise ValueError(
+                    "The checkpoint has no optimizer state; load it without an optimizer"
+                )
+            if meta is not None:
+                _check_groups(holder.listed_groups(), meta)
+            fqns = list(holder.param_shapes())
+            saved = saved_optimizer_state(storage, prefixes.optim, fqns)
+            state, install_optimizer = holder.optimizer_destinations(saved)
+            for fqn, keys in state.items():
+                for key, entry in keys.items():
+                    entries[f"{prefixes.optim}{STATE}{fqn}.{key}"] = entry
+            groups = group_destinations(storage, prefixes.optim)
+            entries.update(groups)
+        extra_tensors = {}
+        if meta is not None:
+            extra_tensors = {
+                name: torch.empty(spec["shape"], dtype=codec.dtype(spec["dtype"]))
+                for name, spec in meta["extra_tensors"].items()
+            }
+        entries.update({EXTRA + name: Piece.whole(t) for name, t in extra_tensors.items()})
+        sizes = {n: e.shape for n, e in entries.items() if isinstance(e, Piece)}
+        reader.check_entries(storage, sizes, folder / reader.METADATA_FILE)
+        reader.check_files(folder, storage)
     except Exception as caught:  # every rank raises, none waits in DCP's collectives
         error = caught
     comm.raise_if_any_failed(error, ranks, others_raise=CheckpointError)  # no rank waits in DCP
-    read_pieces(folder, storage, pieces, ranks)
+    read = read_entries(folder, storage, entries, ranks)
     after_read()
     if optimizer is not None:
-        _load_hyperparameters(holder, meta)
-        install_states(states)
-        install_whole()
-    return {**{k: codec.decode(v) for k, v in meta["extra"].items()}, **extra_tensors}
+        assert prefixes.optim is not None
+        values = {name: read_value(entries[name], read, name) for name in groups}
+        holder.set_hyperparameters(
+            saved_hyperparameters(holder.listed_groups(), values, prefixes.optim)
+        )
+        start = f"{prefixes.optim}{STATE}"
+        plain: dict[str, dict[str, Any]] = {}
+        for fqn, keys in state.items():
+            for key in keys:
+                plain.setdefault(fqn, {})[key] = read.get(f"{start}{fqn}.{key}")
+        install_optimizer(plain)
+    plain_extra = {k: codec.decode(v) for k, v in meta["extra"].items()} if meta else {}
+    return {**plain_extra, **extra_tensors}

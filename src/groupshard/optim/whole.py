@@ -611,8 +611,8 @@ class WholeParamOptimizer(torch.optim.Optimizer):
         """torch's format with parameter names for keys (as
         ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` gives):
         ``{"state": {fqn: state}, "param_groups": [{..., "params": [fqn, ...]}]}``, every
-        parameter's state in its original shape. Collective; the same on every rank.
-        ``gs.optim_state_dict(model, optimizer)`` numbers them as torch does instead."""
+        parameter's state in its original shape. Collective; the same on every rank, and
+        the same as ``gs.optim_state_dict(model, optimizer)``."""
         state = self.fqn_state()
         groups = [
             {**{k: v for k, v in group.items() if k != "params"}, "params": names}
