@@ -204,3 +204,44 @@ def names_case(rank, world_size):
 def test_optim_state_dict_is_keyed_by_name_and_loads_either_form(run_ranks):
     for results, named in run_ranks(2, names_case):
         assert named and results == [True, True]
+
+
+def write_regrouped_folder(path: str) -> None:
+    """One process whose groups split the model otherwise than three_groups: one group
+    each for the head's embedding and for everything else."""
+    torch.manual_seed(0)
+    model = EdgeGPT()
+    head = [model.wte.weight]
+    rest = [p for p in model.parameters() if p is not model.wte.weight and p.requires_grad]
+    optimizer = torch.optim.AdamW([{"params": rest}, {"params": head, "lr": 0.5}], lr=3e-3)
+    train(model, optimizer, batches()[:1], 0, 1)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path, no_dist=True)
+
+
+def intact_case(rank, world_size, path):
+    """A folder whose groups do not fit the optimizer's fails on every rank before the
+    model or the optimizer changes."""
+    model, optimizer = sharded(rank, world_size)
+    train(model, optimizer, batches()[:1], rank, world_size)
+    before = (gs.full_state_dict(model), numbered(gs.optim_state_dict(model, optimizer)))
+    try:
+        gs.checkpoint.load(path, model, optimizer)
+    except ValueError as error:
+        message = str(error)
+    after = (gs.full_state_dict(model), numbered(gs.optim_state_dict(model, optimizer)))
+    same_model = max_difference(before[0], after[0]) == 0
+    same_state = all(
+        torch.equal(value, after[1]["state"][index][key])
+        for index, keys in before[1]["state"].items()
+        for key, value in keys.items()
+    )
+    return message, same_model and same_state
+
+
+def test_a_folder_with_other_groups_fails_before_anything_changes(run_ranks, tmp_path):
+    path = str(tmp_path / "regrouped")
+    write_regrouped_folder(path)
+    for message, intact in run_ranks(2, intact_case, path):
+        assert "different hyperparameters" in message
+        assert intact

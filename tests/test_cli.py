@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 import groupshard as gs
 from groupshard.cli import report
@@ -737,3 +738,37 @@ def test_freeze_embeddings_until_adds_their_group_mid_run_and_resumes_across_it(
     assert groups["embeddings"]["tensors"] == 2 and groups["embeddings"]["grad_norm"] > 0
     refused = groupshard("train", *TINY, "--zero", *freeze, "--out", out, check=False)
     assert refused.returncode != 0 and "--freeze-embeddings-until" in refused.stderr
+
+
+def test_from_starts_at_another_systems_checkpoint(tmp_path, uninterrupted):
+    """``--from`` a folder written with torch's idiom by one process (the finished run's
+    weights and AdamW state, passed through a plain GPT): the new run's first loss is where
+    that run ended, not where a fresh one starts; and a folder of another --model is named."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from groupshard.cli.model import GPT
+    from groupshard.cli.train import PRESETS, optimizer_groups
+
+    torch.manual_seed(0)
+    plain = GPT(PRESETS["tiny"])
+    groups, _ = optimizer_groups("adamw", plain, 0.1)
+    optimizer = torch.optim.AdamW(groups, lr=1e-3)
+    model_state, optim_state = get_state_dict(plain, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=os.path.join(uninterrupted, "checkpoint"), no_dist=True)
+    set_state_dict(plain, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])  # fmt: skip
+    folder = str(tmp_path / "one-process")
+    model_state, optim_state = get_state_dict(plain, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=folder, no_dist=True)
+
+    out = str(tmp_path / "from")
+    groupshard("train", *TINY, "--steps", "3", "--eval-every", "3", "--from", folder, "--out", out)
+    fresh_first, trained_last = _losses(uninterrupted)[0], _losses(uninterrupted)[-1]
+    assert abs(_losses(out)[0] - trained_last) < 0.25 * (fresh_first - trained_last)
+    wrong = groupshard(
+        "train", "--model", "small", "--steps", "2", "--from", folder,
+        "--out", str(tmp_path / "wrong"), check=False,
+    )  # fmt: skip
+    assert wrong.returncode != 0
+    assert "does not match the model" in wrong.stderr

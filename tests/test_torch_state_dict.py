@@ -471,3 +471,29 @@ def test_ddp_with_zero_round_trips_through_torch_idiom(run_ranks, tmp_path):
     resumed = run_ranks(2, zero_case, path, "load")[0]
     whole = run_ranks(2, zero_case, path, "whole")[0]
     assert max_difference(resumed, whole) <= TOLERANCE
+
+
+def refusal_case(rank, world_size):
+    """What torch's state-dict API cannot be given for a sharded model, refused on every
+    rank with what to do instead."""
+    model, optimizer = sharded(rank, world_size)
+    parent = nn.Sequential(model)
+    messages = []
+    for call in (
+        lambda: get_model_state_dict(parent),
+        lambda: get_optimizer_state_dict(parent, optimizer),
+        lambda: get_optimizer_state_dict(model, [optimizer, optimizer]),
+    ):
+        try:
+            call()
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
+
+
+def test_what_cannot_apply_is_refused_on_every_rank(run_ranks):
+    for messages in run_ranks(2, refusal_case):
+        assert len(messages) == 3
+        assert "Pass the sharded module itself" in messages[0]
+        assert "Pass the sharded module itself" in messages[1]
+        assert "one optimizer over all its groups" in messages[2]

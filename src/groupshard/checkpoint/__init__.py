@@ -37,7 +37,7 @@ from __future__ import annotations
 from groupshard.checkpoint.conversion import to_torch_save, upgrade
 from groupshard.checkpoint.errors import CheckpointError, NoSpaceError, UnsafeCheckpointError
 from groupshard.checkpoint.folders import FORMAT, META_FILE
-from groupshard.checkpoint.sharded import exists, load, read_extra, save
+from groupshard.checkpoint.sharded import exists, holds_optimizer_state, load, read_extra, save
 
 __all__ = [
     "FORMAT",
@@ -46,6 +46,7 @@ __all__ = [
     "NoSpaceError",
     "UnsafeCheckpointError",
     "exists",
+    "holds_optimizer_state",
     "load",
     "read_extra",
     "save",

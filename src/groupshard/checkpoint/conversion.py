@@ -83,6 +83,33 @@ def upgrade(path: str | os.PathLike, output: str | os.PathLike) -> None:
     if not isinstance(meta, dict) or meta.get("format") != folders.FIRST_FORMAT:
         raise CheckpointError(f"{file} does not describe a {folders.FIRST_FORMAT} checkpoint")
     values = read_whole(folder, reader.read_metadata(folder))
+    try:
+        entries = _first_layout_entries(meta, values)
+    except (KeyError, TypeError, ValueError, RuntimeError) as error:
+        raise CheckpointError(
+            f"{file} does not describe the checkpoint beside it ({type(error).__name__}: {error})"
+        ) from None
+    output = Path(output)
+    temporary = folders.temporary_name(output, 0)
+    try:
+        with _single_process_is_meant():
+            dcp.save(
+                entries,
+                storage_writer=folders.FileWriter(temporary),
+                planner=DefaultSavePlanner(flatten_state_dict=False),
+                no_dist=True,
+            )
+        meta.pop("optim_state", None)
+        meta.update(format=folders.FORMAT, serial=1)
+        folders.write_meta(temporary, meta)
+        folders.replace(temporary, output, 1)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+
+
+def _first_layout_entries(meta: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    """Today's entries from the first layout's description and (whole, 1-D) tensors."""
     entries: dict[str, Any] = {}
     for fqn, spec in meta["params"].items():
         for alias in spec["aliases"]:
@@ -103,20 +130,4 @@ def upgrade(path: str | os.PathLike, output: str | os.PathLike) -> None:
         hyperparameters = [codec.decode(g["hyperparameters"]) for g in meta["groups"]]
         entries.update(group_entries(listed, hyperparameters, OPTIM))
     entries.update({EXTRA + name: values[EXTRA + name] for name in meta["extra_tensors"]})
-    output = Path(output)
-    temporary = folders.temporary_name(output, 0)
-    try:
-        with _single_process_is_meant():
-            dcp.save(
-                entries,
-                storage_writer=folders.FileWriter(temporary),
-                planner=DefaultSavePlanner(flatten_state_dict=False),
-                no_dist=True,
-            )
-        meta.pop("optim_state", None)
-        meta.update(format=folders.FORMAT, serial=1)
-        folders.write_meta(temporary, meta)
-        folders.replace(temporary, output, 1)
-    except BaseException:
-        shutil.rmtree(temporary, ignore_errors=True)
-        raise
+    return entries

@@ -16,7 +16,7 @@ comes from the folder's DCP metadata, so a folder needs no description of groups
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,8 +35,9 @@ OPTIM = "optim."
 STATE = "state."
 GROUPS = "param_groups."
 EXTRA = "extra."
+TITAN_OPTIM = "optimizer."  # torchtitan's optimizer entries (its model's names are bare)
 # what else trainers keep in a DCP folder beside the model (torchtitan: bare model names)
-_NOT_MODEL = ("optim.", "optimizer.", "lr_scheduler.", "train_state.", "dataloader.", EXTRA)
+_NOT_MODEL = (OPTIM, TITAN_OPTIM, "lr_scheduler.", "train_state.", "dataloader.", EXTRA)
 
 
 def dcp_value(entry: Entry) -> Any:
@@ -88,7 +89,7 @@ def find_prefixes(storage: Metadata, holder: Holder) -> Prefixes:
     bare = not any(MODEL + a in names for a in aliases) and any(a in names for a in aliases)
     model = "" if bare else MODEL
     optim = None
-    for candidate in (OPTIM, "optimizer."):
+    for candidate in (OPTIM, TITAN_OPTIM):
         if any(
             name.startswith(candidate + STATE) or name.startswith(candidate + GROUPS)
             for name in names
@@ -156,22 +157,29 @@ def model_destinations(
     return found, after
 
 
+def longest_first(names: Iterable[str]) -> list[str]:
+    """Parameter names, longest first: ``split_name`` then finds ``a.b`` before ``a``."""
+    return sorted(set(names), key=len, reverse=True)
+
+
+def split_name(rest: str, fqns: Sequence[str]) -> tuple[str, str] | None:
+    """``<fqn>.<key>`` split at the first of ``fqns`` (``longest_first``) it starts with."""
+    fqn = next((f for f in fqns if rest.startswith(f + ".")), None)
+    return None if fqn is None else (fqn, rest[len(fqn) + 1 :])
+
+
 def saved_optimizer_state(
     storage: Metadata, prefix: str, fqns: Sequence[str]
 ) -> dict[str, dict[str, Saved]]:
     """What the folder holds of each parameter's optimizer state, per key."""
     found: dict[str, dict[str, Saved]] = {fqn: {} for fqn in fqns}
     start = prefix + STATE
-    # longest names first, so a parameter's entries are not taken for a shorter name's
-    ordered = sorted(fqns, key=len, reverse=True)
+    ordered = longest_first(fqns)
     for name, entry in storage.state_dict_metadata.items():
-        if not name.startswith(start):
+        split = split_name(name[len(start) :], ordered) if name.startswith(start) else None
+        if split is None:
             continue
-        rest = name[len(start) :]
-        fqn = next((f for f in ordered if rest.startswith(f + ".")), None)
-        if fqn is None:
-            continue
-        key = rest[len(fqn) + 1 :]
+        fqn, key = split
         if isinstance(entry, TensorStorageMetadata):
             found[fqn][key] = Saved(entry.size, entry.properties.dtype)
         elif isinstance(entry, BytesStorageMetadata):
@@ -180,10 +188,21 @@ def saved_optimizer_state(
 
 
 def group_destinations(storage: Metadata, prefix: str) -> dict[str, Entry]:
-    """Slots for every param-group entry of the folder (plain values, or whole tensors)."""
+    """Slots for the folder's param-group entries (plain values, or whole tensors): those of
+    the numbered form where the folder has it (a few per group), else every parameter's."""
+    start = prefix + GROUPS
+    names = storage.state_dict_metadata
+    numbered = any(n.startswith(start) and n.endswith(".params") for n in names)
+
+    def wanted(name: str) -> bool:
+        if not name.startswith(start):
+            return False
+        index, _, key = name[len(start) :].partition(".")
+        return not numbered or (index.isdigit() and "." not in key)
+
     found: dict[str, Entry] = {}
-    for name, entry in storage.state_dict_metadata.items():
-        if name.startswith(prefix + GROUPS):
+    for name, entry in names.items():
+        if wanted(name):
             if isinstance(entry, TensorStorageMetadata):
                 found[name] = Piece.whole(torch.zeros(entry.size, dtype=entry.properties.dtype))
             else:
@@ -205,12 +224,12 @@ def saved_hyperparameters(
     start = prefix + GROUPS
     by_index: dict[str, dict[str, Any]] = {}
     by_fqn: dict[str, dict[str, Any]] = {}
-    all_fqns = sorted({f for names in listed for f in names}, key=len, reverse=True)
+    all_fqns = longest_first(f for names in listed for f in names)
     for name, value in values.items():
         rest = name[len(start) :]
-        fqn = next((f for f in all_fqns if rest.startswith(f + ".")), None)
-        if fqn is not None:
-            by_fqn.setdefault(fqn, {})[rest[len(fqn) + 1 :]] = value
+        split = split_name(rest, all_fqns)
+        if split is not None:
+            by_fqn.setdefault(split[0], {})[split[1]] = value
             continue
         index, _, key = rest.partition(".")
         by_index.setdefault(index, {})[key] = value

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import increment_version
 from torch.nn.parallel import DistributedDataParallel
 
 from groupshard import comm, flatten
@@ -157,6 +158,7 @@ class SliceDestination:
                 f"({lack[:4]}); a flat buffer keeps all of its parameters' state or none"
             )
         shard, group = part.shard, part.group
+        current = part.states.get(shard, {})
         for key in keys[0]:
             first = saved[part.fqns[0]][key]
             if all(
@@ -165,7 +167,7 @@ class SliceDestination:
             ):
                 assert first.dtype is not None
                 dtype, _ = state_placement(key, first.dtype, shard, group)
-                self.state[key] = torch.zeros_like(shard, dtype=dtype)
+                self.state[key] = reuse_or_new(current.get(key), shard.shape, dtype, shard.device)
                 for fqn, piece in zip(
                     part.fqns, flat_pieces(self.state[key], part.segments, part.shapes), strict=True
                 ):
@@ -181,51 +183,95 @@ class SliceDestination:
                     tensor = torch.zeros(spec.shape, dtype=dtype, device=device)
                     self.entries.setdefault(fqn, {})[key] = Piece.whole(tensor)
 
-    def install(self, values: Mapping[str, Mapping[str, Any]]) -> None:
-        """Become the optimizer's state; ``values``: the plain values read, per parameter."""
+    def scalar_keys(self) -> list[str]:
+        """Keys each parameter keeps its own copy of (``step``...): they must agree."""
+        keys = {key for entries in self.entries.values() for key in entries}
+        return sorted(keys - set(self.state))
+
+    def check(self, value_of: ValueOf) -> None:
+        """A ValueError naming the parameters if a flat buffer's parameters were saved with
+        different values of a key it keeps one of (before anything is installed)."""
+        for key in self.scalar_keys():
+            found = [value_of(fqn, key, self.entries[fqn][key]) for fqn in self.part.fqns]
+            flatten.check_one_scalar(key, found, self.part.segments.buffer)
+
+    def install(self, value_of: ValueOf) -> None:
+        """Become the optimizer's state (``check`` first)."""
         part = self.part
         state = dict(self.state)
-        keys = {key for entries in self.entries.values() for key in entries} - set(state)
-        for key in sorted(keys):
-            found = []
-            for fqn in part.fqns:
-                entry = self.entries[fqn][key]
-                found.append(entry.data if isinstance(entry, Piece) else values[fqn][key])
-            flatten.check_one_scalar(key, found, part.segments.buffer)
-            state[key] = found[0]
+        for key in self.scalar_keys():
+            fqn = part.fqns[0]
+            state[key] = value_of(fqn, key, self.entries[fqn][key])
         part.states.pop(part.shard, None)
         if state:
             part.states[part.shard] = state
 
 
-def copy_into(destination: Piece, value: Any, name: str) -> None:
-    """Fill ``destination`` from ``value``: a piece of the same elements (a ParamPiece of
-    torch's sharded state dict) or the whole tensor (a full state dict)."""
+ValueOf = Callable[[str, str, Entry], Any]
+"""The value read for a parameter's key: its piece's tensor, or the plain value."""
+
+
+@dataclass
+class OptimizerDestinations:
+    """Where a load puts the optimizer's state, before it becomes the optimizer's.
+
+    ``entries``: per parameter and key, a piece to read into (or None for a plain value);
+    ``per_element``: the (parameter, key) entries laid out like the parameter, the bulk
+    of the bytes (a load reads the rest first and checks it before any of these);
+    ``check`` and ``install`` take the values read."""
+
+    entries: dict[str, dict[str, Entry]]
+    per_element: set[tuple[str, str]]
+    check: Callable[[ValueOf], None]
+    install: Callable[[ValueOf], None]
+
+
+def reuse_or_new(
+    current: Any, shape: torch.Size, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """The optimizer's current state tensor if it fits (a load then holds no second copy of
+    the state: it reads into the one there is), else a new one of zeros."""
+    if (
+        isinstance(current, torch.Tensor)
+        and current.shape == shape
+        and current.dtype == dtype
+        and current.device == device
+    ):
+        return current
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def source_problem(destination: Piece, value: Any, name: str) -> str | None:
+    """Why ``value`` cannot fill ``destination`` (None if it can): it must be a piece of
+    the same elements (a ParamPiece of torch's sharded state dict of this model) or the
+    whole tensor (a full state dict)."""
     source = getattr(value, "piece", None)
-    target = destination.data
     if source is not None:
-        if source.data is target or (
-            source.data.data_ptr() == target.data_ptr()
-            and source.data.shape == target.shape
-            and source.data.numel()
-        ):
-            return  # loaded in place
         if source.boxes != destination.boxes:
-            raise ValueError(
+            return (
                 f"The state dict entry {name!r} holds elements {_range(source)} but this rank "
                 f"holds {_range(destination)}: pass a sharded state dict to the model it was "
                 "taken from, or a full one (StateDictOptions(full_state_dict=True))"
             )
-        target.copy_(source.data)
-        return
+        return None
     if not isinstance(value, torch.Tensor):
-        raise TypeError(f"The state dict entry {name!r} is a {type(value).__name__}, not a tensor")
+        return f"The state dict entry {name!r} is a {type(value).__name__}, not a tensor"
     if value.shape != destination.shape:
-        raise ValueError(
+        return (
             f"The state dict entry {name!r} has shape {list(value.shape)}, but the model's is "
             f"{list(destination.shape)}"
         )
-    if destination.is_whole:
+    return None
+
+
+def copy_into(destination: Piece, value: Any) -> None:
+    """Fill ``destination`` from ``value`` (``source_problem`` said it can; onto itself when
+    ``dcp.load`` read into it, which counts as a write)."""
+    source = getattr(value, "piece", None)
+    target = destination.data
+    if source is not None:
+        target.copy_(source.data)
+    elif destination.is_whole:
         target.copy_(value)
     else:
         start = destination.offset
@@ -278,6 +324,11 @@ class Holder(ABC):
     def hyperparameter_groups(self) -> list[list[dict[str, Any]]]:
         """Per param group, the group dicts a load updates with the saved hyperparameters."""
 
+    @property
+    @abstractmethod
+    def device(self) -> torch.device:
+        """Where the shards live: the device of this rank's collectives (NCCL: the GPU)."""
+
     def buffers(self) -> dict[str, torch.Tensor]:
         return {name: b.detach() for name, b in _persistent_buffers(self.module).items()}
 
@@ -301,20 +352,25 @@ class Holder(ABC):
 
     def optimizer_destinations(
         self, saved: Mapping[str, Mapping[str, Saved]]
-    ) -> tuple[dict[str, dict[str, Entry]], Callable[[Mapping[str, Mapping[str, Any]]], None]]:
+    ) -> OptimizerDestinations:
         """Where the saved optimizer state (``saved``: per parameter and key, what the
-        checkpoint holds) is read to on this rank, and what installs it once read (given
-        the plain values read)."""
-        destinations = [SliceDestination(part, saved) for part in self.slices()]
+        checkpoint holds) is read to on this rank, and how it is checked and installed."""
+        slices = [SliceDestination(part, saved) for part in self.slices()]
         entries: dict[str, dict[str, Entry]] = {}
-        for destination in destinations:
+        per_element: set[tuple[str, str]] = set()
+        for destination in slices:
             entries.update(destination.entries)
+            per_element.update((f, k) for f in destination.part.fqns for k in destination.state)
 
-        def install(values: Mapping[str, Mapping[str, Any]]) -> None:
-            for destination in destinations:
-                destination.install(values)
+        def check(value_of: ValueOf) -> None:
+            for destination in slices:
+                destination.check(value_of)
 
-        return entries, install
+        def install(value_of: ValueOf) -> None:
+            for destination in slices:
+                destination.install(value_of)
+
+        return OptimizerDestinations(entries, per_element, check, install)
 
     def hyperparameters(self) -> list[dict[str, Any]]:
         """Each param group's hyperparameters (everything but ``params``)."""
@@ -355,6 +411,10 @@ class ShardedHolder(Holder):
     def frozen(self) -> list[str]:
         return list(self.state.groups.frozen)
 
+    @property
+    def device(self) -> torch.device:
+        return self.state.storages[0].local.device
+
     def param_pieces(self, loading: bool) -> tuple[dict[str, Piece], Callable[[], None]]:
         pieces: dict[str, Piece] = {}
         for storage in self.state.storages:
@@ -364,7 +424,18 @@ class ShardedHolder(Holder):
                 shapes = [torch.Size(slot.shape) for slot in segments.buffer.params]
                 found = flat_pieces(shard.detach(), segments, shapes)
                 pieces.update(zip(segments.fqns, found, strict=True))
-        return pieces, note_parameters_written
+        if not loading:
+            return pieces, lambda: None
+
+        def mark_written() -> None:
+            # DCP wrote through aliases (planner.exact_alias): tell autograd's version
+            # counters (which WholeParamOptimizer watches) and the gathered copies
+            for storage in self.state.storages:
+                for shard in storage.shards:
+                    increment_version(shard)
+            note_parameters_written()
+
+        return pieces, mark_written
 
     def listed_groups(self) -> list[list[str]]:
         return [list(group.listed) for group in self.state.groups.groups]
@@ -402,36 +473,37 @@ class ShardedHolder(Holder):
 
     def optimizer_destinations(
         self, saved: Mapping[str, Mapping[str, Saved]]
-    ) -> tuple[dict[str, dict[str, Entry]], Callable[[Mapping[str, Mapping[str, Any]]], None]]:
-        entries, install_slices = super().optimizer_destinations(saved)
+    ) -> OptimizerDestinations:
+        """Besides the slices', the whole state of the parameters a
+        ``gs.optim.WholeParamOptimizer`` owner steps, read into its own tensors."""
+        slices = super().optimizer_destinations(saved)
         if not isinstance(self.optimizer, WholeParamOptimizer):
-            return entries, install_slices
+            return slices
         optimizer = self.optimizer
         owned: dict[str, dict[str, Entry]] = {}
-        for fqn, (whole, _, group) in optimizer.owned_states().items():
+        for fqn, (whole, current, group) in optimizer.owned_states().items():
             for key, spec in saved.get(fqn, {}).items():
                 if spec.shape is None:
                     owned.setdefault(fqn, {})[key] = None
                     continue
                 assert spec.dtype is not None
                 dtype, device = state_placement(key, spec.dtype, whole, group)
-                tensor = torch.zeros(spec.shape, dtype=dtype, device=device)
+                tensor = reuse_or_new(current.get(key), spec.shape, dtype, device)
                 owned.setdefault(fqn, {})[key] = Piece.whole(tensor)
-        entries.update(owned)
+                slices.per_element.add((fqn, key))
 
-        def install(values: Mapping[str, Mapping[str, Any]]) -> None:
-            install_slices(values)
+        def install(value_of: ValueOf) -> None:
+            slices.install(value_of)
             optimizer.load_owned_state(
                 {
-                    fqn: {
-                        key: entry.data if isinstance(entry, Piece) else values[fqn][key]
-                        for key, entry in state.items()
-                    }
+                    fqn: {key: value_of(fqn, key, entry) for key, entry in state.items()}
                     for fqn, state in owned.items()
                 }
             )
 
-        return entries, install
+        return OptimizerDestinations(
+            {**slices.entries, **owned}, slices.per_element, slices.check, install
+        )
 
 
 class ZeroHolder(Holder):
@@ -473,6 +545,10 @@ class ZeroHolder(Holder):
 
     def param_shapes(self) -> dict[str, tuple[torch.Size, torch.dtype, list[str]]]:
         return {fqn: (p.shape, p.dtype, self.aliases[fqn]) for fqn, p in self.params.items()}
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.params.values())).device
 
     def frozen(self) -> list[str]:
         stepped = {fqn for listed in self.listed for fqn in listed}

@@ -86,14 +86,14 @@ class Piece:
         ]
 
     def block(self, offsets: Sequence[int]) -> torch.Tensor:
-        """A view of the block starting at ``offsets``, in its shape."""
+        """The block starting at ``offsets``, in its shape, sharing the piece's memory."""
         if self.is_whole:
-            return self.data
+            return exact_alias(self.data)
         start = 0
         for box_offsets, sizes in self.boxes:
             numel = _numel(sizes)
             if tuple(box_offsets) == tuple(offsets):
-                return self.data[start : start + numel].view(sizes)
+                return exact_alias(self.data[start : start + numel].view(sizes))
             start += numel
         raise ValueError(f"no block of this piece starts at {list(offsets)}")
 
@@ -111,7 +111,25 @@ class Piece:
 
     def dcp_value(self) -> torch.Tensor:
         """What DCP is handed: the whole tensor, or a :class:`ParamPiece`."""
-        return self.data if self.is_whole else ParamPiece(self)
+        return exact_alias(self.data) if self.is_whole else ParamPiece(self)
+
+
+def exact_alias(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` over a storage of exactly its bytes, sharing its memory (no copy).
+
+    A piece is a view into a unit's shards, whose storage holds the whole unit. DCP's file
+    writer copies every tensor whose storage is larger than it, and keeps each copy until
+    its file is written: a save would hold a second copy of all of this rank's shards and
+    state. Over a storage of its own size (a slice of the shard's storage) it is written
+    as it is. Writes through it (a load) do not count in the shard's autograd version
+    counter: loads mark the shards written afterwards (``mark_written``).
+    """
+    if not tensor.is_contiguous() or tensor.untyped_storage().nbytes() == tensor.nbytes:
+        return tensor
+    start = tensor.storage_offset() * tensor.element_size()
+    storage = tensor.untyped_storage()[start : start + tensor.nbytes]
+    alias = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    return alias.set_(storage, 0, tensor.shape, tensor.stride())
 
 
 def _numel(sizes: Sequence[int]) -> int:

@@ -258,9 +258,42 @@ def _refusal(error: BaseException) -> str:
     return short(error)
 
 
-def _decode_tensor(data: bytes, file: Path, name: str) -> torch.Tensor:
+class _Window(io.RawIOBase):
+    """The bytes ``[offset, offset + length)`` of an open file, as a file of their own: the
+    tensor decoder reads a storage straight into its tensor, with no copy of the item's
+    bytes beside it (a load's peak memory stays one block, not two)."""
+
+    def __init__(self, stream: IO[bytes], offset: int, length: int) -> None:
+        self._stream, self._offset, self._length, self._position = stream, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, position: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._length}[whence]
+        self._position = min(max(0, base + position), self._length)
+        return self._position
+
+    def readinto(self, buffer: Any) -> int:
+        wanted = min(len(memoryview(buffer)), self._length - self._position)
+        if wanted <= 0:
+            return 0
+        self._stream.seek(self._offset + self._position)
+        got = self._stream.readinto(memoryview(buffer)[:wanted])  # type: ignore[attr-defined]
+        self._position += got or 0
+        return got or 0
+
+
+def _decode_tensor(data: bytes | IO[bytes], file: Path, name: str) -> torch.Tensor:
+    source = io.BytesIO(data) if isinstance(data, bytes) else data
     try:
-        value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        value = torch.load(source, map_location="cpu", weights_only=True)
     except Exception as error:
         refusal = _refusal(error)
         if "Unsupported global" in refusal:  # a pickle that would call something: crafted
@@ -326,14 +359,13 @@ class SafeFileSystemReader(FileSystemReader):
         self, stream: IO[bytes], file: Path, info: Any, item: Any, planner: LoadPlanner
     ) -> None:
         name = item.storage_index.fqn
-        stream.seek(info.offset)
-        data = stream.read(info.length)
-        if len(data) != info.length:
+        if file.stat().st_size < info.offset + info.length:
             raise CheckpointError(f"The checkpoint file {file} is truncated (entry {name!r})")
         if item.type == LoadItemType.BYTE_IO:  # decoded weights-only (SafeLoadPlanner)
-            planner.load_bytes(item, io.BytesIO(data))
+            stream.seek(info.offset)
+            planner.load_bytes(item, io.BytesIO(stream.read(info.length)))
             return
-        saved = _decode_tensor(data, file, name)
+        saved = _decode_tensor(_Window(stream, info.offset, info.length), file, name)
         expected = self._piece_sizes[(name, tuple(item.storage_index.offset))]
         if saved.size() != expected:
             raise CheckpointError(

@@ -30,7 +30,9 @@ from groupshard.checkpoint import codec, folders, reader
 from groupshard.checkpoint.entries import (
     EXTRA,
     MODEL,
+    OPTIM,
     STATE,
+    TITAN_OPTIM,
     dcp_value,
     find_prefixes,
     group_destinations,
@@ -162,10 +164,19 @@ def save(
         ]
     extra_entries, meta["extra"], meta["extra_tensors"] = _extra_entries(extra or {}, ranks.rank)
     entries.update(extra_entries)
-    # the save counter orders checkpoints and leftovers of interrupted saves (see folders)
-    serial = folders.next_serial(path) if ranks.rank == 0 else 0
+    # the save counter orders checkpoints and leftovers of interrupted saves (see folders);
+    # rank 0 finds it, and a failure there (an unreadable folder) fails every rank
+    found: tuple[int, Path] | None = None
+    problem = None
+    if ranks.rank == 0:
+        try:
+            serial = folders.next_serial(path)
+            found = (serial, folders.temporary_name(path, serial))
+        except OSError as error:
+            problem = RuntimeError(f"Cannot save the checkpoint {str(path)!r}: {error}")
+    comm.raise_if_any_failed(problem, ranks)
+    serial, temporary = comm.broadcast_object(found, ranks)
     meta["serial"] = serial
-    temporary = comm.gather_objects(folders.temporary_name(path, serial), ranks)[0]
     failure: BaseException | None = None
     try:
         state_dict = {name: dcp_value(entry) for name, entry in entries.items()}
@@ -260,6 +271,14 @@ def read_extra(path: str | os.PathLike) -> dict[str, Any]:
     return {k: codec.decode(v) for k, v in meta["extra"].items()} if meta else {}
 
 
+def holds_optimizer_state(path: str | os.PathLike) -> bool:
+    """Whether the newest checkpoint at ``path`` (any writer) holds optimizer state; reads
+    only its (safely decoded) metadata."""
+    folder, _ = folders.newest(Path(path))
+    names = reader.read_metadata(folder).state_dict_metadata
+    return any(name.startswith((OPTIM + STATE, TITAN_OPTIM + STATE)) for name in names)
+
+
 def _model_meta(holder: Holder) -> dict[str, Any]:
     """Names, shapes and dtypes, for people and tools reading the folder (a load reads the
     DCP metadata, which every writer of torch's idiom leaves)."""
@@ -320,6 +339,7 @@ def load(
     holder = holder_of(model, optimizer, "load")
     ranks = holder.ranks
     error = None
+    small: dict[str, Any] = {}  # read first and checked before anything changes
     try:
         folder, meta = folders.newest(Path(path))
         storage = reader.read_metadata(folder)
@@ -329,7 +349,6 @@ def load(
             raise ValueError("The checkpoint does not match the model: " + "; ".join(problems))
         entries: dict[str, Any]
         entries, after_read = model_destinations(holder, storage, prefixes.model)
-        install_optimizer: Any = None
         if optimizer is not None:
             if prefixes.optim is None:
                 raise ValueError(
@@ -337,14 +356,16 @@ def load(
                 )
             if meta is not None:
                 _check_groups(holder.listed_groups(), meta)
-            fqns = list(holder.param_shapes())
-            saved = saved_optimizer_state(storage, prefixes.optim, fqns)
-            state, install_optimizer = holder.optimizer_destinations(saved)
-            for fqn, keys in state.items():
+            state_prefix = f"{prefixes.optim}{STATE}"
+            saved = saved_optimizer_state(storage, prefixes.optim, list(holder.param_shapes()))
+            destinations = holder.optimizer_destinations(saved)
+            for fqn, keys in destinations.entries.items():
                 for key, entry in keys.items():
-                    entries[f"{prefixes.optim}{STATE}{fqn}.{key}"] = entry
+                    name = f"{state_prefix}{fqn}.{key}"
+                    target = entries if (fqn, key) in destinations.per_element else small
+                    target[name] = entry
             groups = group_destinations(storage, prefixes.optim)
-            entries.update(groups)
+            small.update(groups)
         extra_tensors = {}
         if meta is not None:
             extra_tensors = {
@@ -352,25 +373,34 @@ def load(
                 for name, spec in meta["extra_tensors"].items()
             }
         entries.update({EXTRA + name: Piece.whole(t) for name, t in extra_tensors.items()})
-        sizes = {n: e.shape for n, e in entries.items() if isinstance(e, Piece)}
+        sizes = {n: e.shape for n, e in {**entries, **small}.items() if isinstance(e, Piece)}
         reader.check_entries(storage, sizes, folder / reader.METADATA_FILE)
         reader.check_files(folder, storage)
     except Exception as caught:  # every rank raises, none waits in DCP's collectives
         error = caught
     comm.raise_if_any_failed(error, ranks, others_raise=CheckpointError)  # no rank waits in DCP
-    read = read_entries(folder, storage, entries, ranks)
+    if optimizer is not None:
+        # the groups' hyperparameters and the values each parameter keeps (step...) first:
+        # a folder whose groups or steps do not fit fails here, the model and state intact
+        assert prefixes.optim is not None
+        read_small = read_entries(folder, storage, small, ranks)
+
+        def value_of(fqn: str, key: str, entry: Any) -> Any:
+            name = f"{state_prefix}{fqn}.{key}"
+            return read_value(entry, read_small, name)
+
+        error = None
+        try:
+            values = {n: read_value(e, read_small, n) for n, e in groups.items()}
+            hyperparameters = saved_hyperparameters(holder.listed_groups(), values, prefixes.optim)
+            destinations.check(value_of)
+        except ValueError as caught:
+            error = caught
+        comm.raise_if_any_failed(error, ranks)
+    read_entries(folder, storage, entries, ranks)
     after_read()
     if optimizer is not None:
-        assert prefixes.optim is not None
-        values = {name: read_value(entries[name], read, name) for name in groups}
-        holder.set_hyperparameters(
-            saved_hyperparameters(holder.listed_groups(), values, prefixes.optim)
-        )
-        start = f"{prefixes.optim}{STATE}"
-        plain: dict[str, dict[str, Any]] = {}
-        for fqn, keys in state.items():
-            for key in keys:
-                plain.setdefault(fqn, {})[key] = read.get(f"{start}{fqn}.{key}")
-        install_optimizer(plain)
+        holder.set_hyperparameters(hyperparameters)
+        destinations.install(value_of)
     plain_extra = {k: codec.decode(v) for k, v in meta["extra"].items()} if meta else {}
     return {**plain_extra, **extra_tensors}

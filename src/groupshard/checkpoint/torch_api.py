@@ -43,13 +43,21 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from groupshard import comm, flatten
 from groupshard.api import ShardedModule
-from groupshard.checkpoint.entries import GROUPS, STATE, saved_hyperparameters
+from groupshard.checkpoint.entries import (
+    GROUPS,
+    STATE,
+    dcp_value,
+    longest_first,
+    saved_hyperparameters,
+    split_name,
+)
 from groupshard.checkpoint.pieces import (
     Holder,
     Saved,
     ShardedHolder,
     ZeroHolder,
     copy_into,
+    source_problem,
 )
 from groupshard.checkpoint.planner import ParamPiece, Piece
 from groupshard.full_state import full_state_dict, load_full_state_dict, optim_state_dict
@@ -69,7 +77,7 @@ def wrap_torch_state_dict(module: ModuleType) -> None:
     """Wrap torch's state-dict functions in ``module`` (once)."""
     if getattr(module, _MARK, False):
         return
-    missing = [name for name in (*_WRAPPED, "_init_optim_state") if not hasattr(module, name)]
+    missing = [name for name in _WRAPPED if not hasattr(module, name)]
     if missing:
         warnings.warn(
             f"torch {torch.__version__} has no {missing} in {module.__name__}: torch's "
@@ -203,29 +211,56 @@ def _load_model_state_dict(
         else:
             missing.append(name)
     unexpected = [name for name in state_dict if name not in known]
+    problem = None
     if info.strict and (missing or unexpected):
-        raise RuntimeError(
+        problem = RuntimeError(
             "Error(s) in loading the state dict of a groupshard model: "
             + (f"missing keys {missing[:8]}; " if missing else "")
             + (f"unexpected keys {unexpected[:8]}" if unexpected else "")
         )
-    for destination, value, name in sources:
-        copy_into(destination, value, name)
+    problem = problem or _first_problem(sources)
+    comm.raise_if_any_failed(problem, holder.ranks)  # before anything changes, on every rank
+    for destination, value, _ in sources:
+        copy_into(destination, value)
     after_load()
     return _IncompatibleKeys(missing, unexpected)
 
 
-def _initialize_state(holder: Holder, module: ModuleType) -> None:
-    """torch initializes an optimizer without state by a step of zero gradients at lr 0;
-    here only when no rank has state (a rank that steps nothing has none)."""
-    assert holder.optimizer is not None
-    mine = any(part.states.get(part.shard) for part in holder.slices())
-    if isinstance(holder.optimizer, WholeParamOptimizer):
-        mine = mine or any(s for _, s, _ in holder.optimizer.owned_states().values())
-    found = torch.tensor([float(mine)])
+def _first_problem(sources: Sequence[tuple[Piece, Any, str]]) -> ValueError | None:
+    for destination, value, name in sources:
+        problem = source_problem(destination, value, name)
+        if problem is not None:
+            return ValueError(problem)
+    return None
+
+
+def _initialize_state(holder: Holder) -> None:
+    """Give an optimizer without state its state, as torch's ``_init_optim_state`` does (a
+    step of zero gradients at learning rate 0), when no rank has state or gradients: the
+    step is collective, so every rank decides alike (torch's own check is per rank)."""
+    optimizer = holder.optimizer
+    assert optimizer is not None
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    mine = bool(optimizer.state) or any(part.states.get(part.shard) for part in holder.slices())
+    if isinstance(optimizer, WholeParamOptimizer):
+        mine = mine or any(state for _, state, _ in optimizer.owned_states().values())
+    mine = mine or any(p.grad is not None for p in params)
+    found = torch.tensor([float(mine)], device=holder.device)
     comm.all_reduce_max(found, holder.ranks)
-    if not found.item():
-        module._init_optim_state(holder.optimizer)
+    if found.item():
+        return
+    for param in params:
+        if param.requires_grad:
+            param.grad = torch.zeros_like(param)
+    rates = [group.get("lr") for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        if "lr" in group:
+            group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
+    optimizer.step()
+    for group, rate in zip(optimizer.param_groups, rates, strict=True):
+        if rate is not None:
+            group["lr"] = rate
+    optimizer.zero_grad(set_to_none=True)
 
 
 def _full_optimizer_state(holder: Holder) -> dict[str, dict[str, Any]]:
@@ -257,7 +292,7 @@ def _get_optim_state_dict(
     if not info.handle_optim:
         return {}
     _refuse_submodules(info)
-    _initialize_state(holder, module)
+    _initialize_state(holder)
     state: dict[str, dict[str, Any]] = {}
     if info.full_state_dict:
         full = _full_optimizer_state(holder)
@@ -268,7 +303,7 @@ def _get_optim_state_dict(
     else:
         for fqn, keys in holder.optimizer_entries().items():
             state[fqn] = {
-                key: _dcp_value(_on_cpu(entry) if info.cpu_offload else entry)
+                key: dcp_value(_on_cpu(entry) if info.cpu_offload else entry)
                 for key, entry in keys.items()
             }
     groups = [
@@ -284,10 +319,6 @@ def _get_optim_state_dict(
         for fqn in group["params"]:
             flat.update({f"{GROUPS}{fqn}.{k}": v for k, v in group.items() if k != "params"})
     return flat
-
-
-def _dcp_value(entry: Any) -> Any:
-    return entry.dcp_value() if isinstance(entry, Piece) else entry
 
 
 def _nested(
@@ -316,7 +347,7 @@ def _nested(
                     [rename[p] for p in value] if key == "params" else value
                 )
         return state, values
-    fqns = sorted({n for names in listed for n in names}, key=len, reverse=True)
+    fqns = longest_first(n for names in listed for n in names)
     state = {}
     values = {}
     for name, value in state_dict.items():
@@ -325,17 +356,19 @@ def _nested(
             continue
         if not name.startswith(STATE):
             raise ValueError(f"{name!r} is no entry of an optimizer state dict")
-        rest = name[len(STATE) :]
-        fqn = next((f for f in fqns if rest.startswith(f + ".")), None)
-        if fqn is None:
+        split = split_name(name[len(STATE) :], fqns)
+        if split is None:
             raise ValueError(f"{name!r} names no parameter of the optimizer")
-        state.setdefault(fqn, {})[rest[len(fqn) + 1 :]] = value
+        state.setdefault(split[0], {})[split[1]] = value
     return state, values
 
 
-def _from_rank0(state_dict: Mapping[str, Any], ranks: comm.Ranks) -> dict[str, Any]:
+def _from_rank0(state_dict: Mapping[str, Any], holder: Holder) -> dict[str, Any]:
     """Rank 0's (flat or nested) optimizer state dict on every rank: its structure in one
-    broadcast, then each tensor."""
+    broadcast, then each tensor, on the shards' device (NCCL broadcasts only there). Each
+    rank holds the whole state for a moment, as torch does for tensors that are not
+    DTensors."""
+    ranks = holder.ranks
     tensors: list[torch.Tensor] = []
 
     def strip(value: Any) -> Any:
@@ -354,8 +387,10 @@ def _from_rank0(state_dict: Mapping[str, Any], ranks: comm.Ranks) -> dict[str, A
     def rebuild(value: Any) -> Any:
         if isinstance(value, tuple) and len(value) == 3 and value[0] == "__tensor__":
             index = next(position)
-            tensor = tensors[index] if ranks.rank == 0 else torch.empty(value[1], dtype=value[2])
-            tensor = tensor.detach().cpu().contiguous()
+            if ranks.rank == 0:
+                tensor = tensors[index].detach().to(holder.device).contiguous()
+            else:
+                tensor = torch.empty(value[1], dtype=value[2], device=holder.device)
             comm.broadcast(tensor, ranks)
             return tensor
         if isinstance(value, dict):
@@ -382,25 +417,39 @@ def _load_optim_state_dict(
     if not info.handle_optim:
         return None
     if info.broadcast_from_rank0:
-        state_dict = _from_rank0(state_dict, holder.ranks)
+        state_dict = _from_rank0(state_dict, holder)
     if not state_dict:
         return None
     listed = holder.listed_groups()
-    state, values = _nested(state_dict, listed)
-    hyperparameters = saved_hyperparameters(listed, values, "")
-    saved = {
-        fqn: {
-            key: Saved(value.shape, value.dtype) if isinstance(value, torch.Tensor) else Saved()
-            for key, value in keys.items()
+    problem: Exception | None = None
+    try:  # everything checked before anything changes, and any rank's failure is everyone's
+        state, values = _nested(state_dict, listed)
+        hyperparameters = saved_hyperparameters(listed, values, "")
+        saved = {
+            fqn: {
+                key: Saved(value.shape, value.dtype) if isinstance(value, torch.Tensor) else Saved()
+                for key, value in keys.items()
+            }
+            for fqn, keys in state.items()
         }
-        for fqn, keys in state.items()
-    }
-    destinations, install = holder.optimizer_destinations(saved)
-    for fqn, keys in destinations.items():
-        for key, entry in keys.items():
-            if isinstance(entry, Piece):
-                copy_into(entry, state[fqn][key], f"state.{fqn}.{key}")
-    install(state)
+        destinations = holder.optimizer_destinations(saved)
+        sources = [
+            (entry, state[fqn][key], f"{STATE}{fqn}.{key}")
+            for fqn, keys in destinations.entries.items()
+            for key, entry in keys.items()
+            if isinstance(entry, Piece)
+        ]
+        problem = _first_problem(sources)
+        if problem is None:
+            destinations.check(lambda fqn, key, entry: state[fqn][key])
+    except (ValueError, TypeError) as error:
+        problem = error
+    comm.raise_if_any_failed(problem, holder.ranks)
+    for destination, value, _ in sources:
+        copy_into(destination, value)
+    destinations.install(
+        lambda fqn, key, entry: entry.data if isinstance(entry, Piece) else state[fqn][key]
+    )
     holder.set_hyperparameters(hyperparameters)
     return None
 

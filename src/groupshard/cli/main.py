@@ -156,6 +156,14 @@ def _parser() -> argparse.ArgumentParser:
         "stays the first run's (past its end, its final LR)",
     )  # fmt: skip
     train.add_argument(
+        "--from", dest="start_from", metavar="CHECKPOINT",
+        help="start from a checkpoint folder's weights and optimizer state: one written by "
+        "gs.checkpoint, or with torch's idiom (get_state_dict + dcp.save) by FSDP2, DDP, one "
+        "process or torchtitan, of the same --model; steps count from 0 and this run's "
+        "options set the hyperparameters (a folder of weights only: the optimizer starts "
+        "fresh; default: none, a fresh start)",
+    )  # fmt: skip
+    train.add_argument(
         "--ckpt-every", type=int, default=0, help="also save every N steps (0: at the end only)"
     )
     train.add_argument(
@@ -304,9 +312,16 @@ def _check(args: argparse.Namespace) -> TrainConfig:
         init=args.init or ("full" if args.zero else "meta"),
         replicate=_replicas(args),
         loss_scale=DEFAULT_LOSS_SCALE if args.loss_scale is None else args.loss_scale,
-        freeze_embeddings_until=args.freeze_embeddings_until,
+        freeze_embeddings_until=args.freeze_embeddings_until, start_from=args.start_from,
     )  # fmt: skip
     _check_out(out)
+    if args.start_from is not None:
+        if args.resume:
+            raise CommandError("--from starts a new run; --resume continues one: pass one")
+        from groupshard import checkpoint as gs_checkpoint
+
+        if not gs_checkpoint.exists(args.start_from):
+            raise CommandError(f"--from: no checkpoint at {args.start_from}")
     if resume:
         if not args.out:
             raise CommandError("--resume needs --out, the folder of the run to continue")

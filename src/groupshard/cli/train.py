@@ -68,6 +68,7 @@ class TrainConfig:
     loss_scale: float = 2.0**16  # fp16: the scaler's initial scale (a checkpoint's on resume)
     replicate: int = 1  # > 1: hybrid sharding, this many replicas of world / replicate shards
     freeze_embeddings_until: int = 0  # embeddings frozen before this step, then a group (0: off)
+    start_from: str | None = None  # --from: a checkpoint folder (any writer) to start from
 
     def identity(self) -> dict[str, Any]:
         """What a checkpoint must share with the run that resumes it."""
@@ -361,6 +362,23 @@ class Run:
             return needed, gs.checkpoint.folders.free_bytes(path)
         return None
 
+    def load_from(self, path: str) -> None:
+        """``--from``: another checkpoint's weights, and its optimizer state if it has one.
+        The hyperparameters stay this run's (a load takes the folder's, as
+        ``Optimizer.load_state_dict`` does: a new run's options win)."""
+        with_state = gs.checkpoint.holds_optimizer_state(path)
+        if self.sharded is None and not with_state:
+            raise ValueError(
+                f"--from {path} with --zero: the folder has no optimizer state, and the ZeRO "
+                "optimizer loads its model with it; start without --zero, or from a folder "
+                "with optimizer state"
+            )
+        ours = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        model = self.sharded if self.sharded is not None else self.model
+        gs.checkpoint.load(path, model, self.optimizer if with_state else None)
+        for group, values in zip(self.optimizer.param_groups, ours, strict=True):
+            group.update(values)
+
     def load(self) -> int:
         """Load ``--out``'s checkpoint; return its step. A failure names the checkpoint."""
         path = Path(self.config.out) / CHECKPOINT
@@ -524,6 +542,8 @@ def train(
     )
     run = Run(config, ranks, device, start=resumed)
     start = run.load() if config.resume else 0
+    if config.start_from is not None and not config.resume:
+        run.load_from(config.start_from)
     if ranks.rank == 0:  # rows past the checkpoint (all, without one) are logged again
         report.keep_rows_up_to(out, start)
     tokens_per_step = (
