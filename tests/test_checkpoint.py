@@ -146,8 +146,9 @@ def _continue_plain(saved):
     return model
 
 
-def test_plain_checkpoint_to_sharded_and_back(run_ranks, tmp_path):
-    # plain single-process training for 5 steps, saved with torch.save
+def plain_run_to_resume():
+    """Single-process training for RESUME_AT steps with the LR schedule, as the reference's
+    first steps: the model, its AdamW and the scheduler."""
     torch.manual_seed(0)
     model = EdgeGPT()
     optimizer = torch.optim.AdamW(three_groups(model, 1e-2), lr=3e-3)
@@ -157,6 +158,12 @@ def test_plain_checkpoint_to_sharded_and_back(run_ranks, tmp_path):
         optimizer.step()
         optimizer.zero_grad()
         scheduler.step()
+    return model, optimizer, scheduler
+
+
+def test_plain_checkpoint_to_sharded_and_back(run_ranks, tmp_path):
+    # plain single-process training for 5 steps, saved with torch.save
+    model, optimizer, _ = plain_run_to_resume()
     plain_file = str(tmp_path / "plain.pt")
     torch.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, plain_file)
     assert max(run_ranks(2, plain_to_sharded_case, plain_file)) <= TOLERANCE

@@ -26,7 +26,7 @@ from groupshard.cli.model import GPTConfig
 from test_checkpoint import (
     RESUME_AT,
     batches,
-    lr_lambda,
+    plain_run_to_resume,
     reference_run,
     resume_case,
     sharded,
@@ -46,15 +46,7 @@ def write_torchtitan_folder(path: str, model_only: bool) -> list[float]:
     (``optimizer.state.<fqn>.<key>``, ``optimizer.param_groups.<fqn>.<key>``), the
     scheduler's and trainer's state beside; the last step's folder holds the model only.
     One process, as a one-rank torchtitan run writes it."""
-    torch.manual_seed(0)
-    model = EdgeGPT()
-    optimizer = torch.optim.AdamW(three_groups(model, 1e-2), lr=3e-3)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
-    for inputs, targets in batches()[:RESUME_AT]:
-        model(inputs, targets).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        scheduler.step()
+    model, optimizer, scheduler = plain_run_to_resume()
     state: dict = dict(get_model_state_dict(model))
     if not model_only:
         flat = StateDictOptions(flatten_optimizer_state_dict=True)

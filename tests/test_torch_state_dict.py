@@ -497,3 +497,27 @@ def test_what_cannot_apply_is_refused_on_every_rank(run_ranks):
         assert "Pass the sharded module itself" in messages[0]
         assert "Pass the sharded module itself" in messages[1]
         assert "one optimizer over all its groups" in messages[2]
+
+
+def compiled_case(rank, world_size, path):
+    """torch.compile's wrapper around a sharded model: the same names, and a round trip."""
+    model, optimizer = sharded(rank, world_size)
+    train(model, optimizer, batches()[:2], rank, world_size)
+    compiled = torch.compile(model, backend="eager")
+    model_state, optim_state = get_state_dict(compiled, optimizer)
+    plain_names = set(get_model_state_dict(model))
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+    target, target_optimizer = sharded(rank, world_size, seed=8)
+    target_compiled = torch.compile(target, backend="eager")
+    model_state, optim_state = get_state_dict(target_compiled, target_optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(target_compiled, target_optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])  # fmt: skip
+    same = _same_state(_full(model, optimizer), _full(target, target_optimizer))
+    return set(model_state) == plain_names, same
+
+
+def test_a_compiled_sharded_model(run_ranks, tmp_path):
+    for same_names, difference in run_ranks(2, compiled_case, str(tmp_path / "ckpt")):
+        assert same_names and difference == 0
