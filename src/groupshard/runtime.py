@@ -15,6 +15,7 @@ backward). Gathered parameters are current until a shard is written (``writes``)
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from enum import Enum, auto
 from functools import cached_property
@@ -167,26 +168,39 @@ class ShardedRuntime:
         return hook
 
     def _gradient_ready_hook(self, storage: FlatStorage) -> Callable[[torch.Tensor], None]:
+        # The hook lives on a tensor, whose hooks torch keeps on the C++ side, where Python's
+        # garbage collector cannot see them: a hook holding the runtime or the storage
+        # strongly would keep them, the model and its shards alive after the model is
+        # dropped. Weak references let them go.
+        runtime_ref, storage_ref = weakref.ref(self), weakref.ref(storage)
+
         def hook(unsharded: torch.Tensor) -> None:
-            grad = storage.gradients.take_unsharded()
-            if grad is None:
+            runtime, storage = runtime_ref(), storage_ref()
+            if runtime is None or storage is None:
                 return
-            # The parameters are no longer needed once their gradient is complete, unless a
-            # frozen op later in backward reads this storage, or this is the inner backward
-            # of a reentrant checkpoint (the outer one may still read the unit): then the
-            # end of backward frees them.
-            if (
-                self.strategy == "full"
-                and self.reshard_after_backward
-                and not storage.layout.frozen_buffers
-                and torch._C._current_graph_task_id() == self._backward_task
-            ):
-                storage.reshard()
-            grad = storage.gradients.to_reduce(grad, self.requires_gradient_sync)
-            if grad is not None:
-                self.buckets.add(storage, grad)
+            runtime.gradient_ready(storage)
 
         return hook
+
+    def gradient_ready(self, storage: FlatStorage) -> None:
+        """A storage's unsharded gradient is complete: reshard, and queue its reduction."""
+        grad = storage.gradients.take_unsharded()
+        if grad is None:
+            return
+        # The parameters are no longer needed once their gradient is complete, unless a
+        # frozen op later in backward reads this storage, or this is the inner backward
+        # of a reentrant checkpoint (the outer one may still read the unit): then the
+        # end of backward frees them.
+        if (
+            self.strategy == "full"
+            and self.reshard_after_backward
+            and not storage.layout.frozen_buffers
+            and torch._C._current_graph_task_id() == self._backward_task
+        ):
+            storage.reshard()
+        grad = storage.gradients.to_reduce(grad, self.requires_gradient_sync)
+        if grad is not None:
+            self.buckets.add(storage, grad)
 
     def _end_of_backward(self) -> None:
         self.state = TrainingState.IDLE
