@@ -6,8 +6,7 @@
 (``--model tiny``: the suite's smoke test; its numbers are noise, not a measurement.
 ``gpt2`` is GPT-2 124M's shapes, ``GPTConfig(vocab_size=50257, block_size=1024,
 n_layer=12, n_head=12, n_embd=768)``, built with this project's GPT from
-``groupshard.cli.model``: transformers is not installed here, so not Hugging Face's
-module; ``30m`` is ``run.py``'s.)
+``groupshard.cli.model``, not Hugging Face's module; ``30m`` is ``run.py``'s.)
 
 World size 2, gloo on the CPU, one thread per rank. Three rows, each built afresh in every
 round (``torch.manual_seed(0)``, ``GPT(config)``), trained one AdamW step (lr 3e-4, the

@@ -602,7 +602,30 @@ def checkpoint_table(reports: list[Report]) -> Lines:
     return markdown(header, rows)
 
 
+def trainer_table(reports: list[Report]) -> Lines:
+    """``benchmarks/trainer.py``: Hugging Face's Trainer per system, with and without LoRA
+    (step wall seconds, the slowest rank's median, median over rounds; CPU seconds per
+    step, the ranks' mean; peak RSS above the start of ``train()``, the most over rounds
+    and ranks), step time and peak against the FSDP2 row of the same kind."""
+    header = ["model", "row", "step s", "CPU s per step", "peak MiB above start",
+              "step x FSDP2", "peak x FSDP2"]  # fmt: skip
+    rows = []
+    for report in reports:
+        if report.get("kind") != "trainer":
+            raise TableError("expects results of benchmarks/trainer.py")
+        label = f"{report['model']} ({report['parameters'] / 1e6:.0f}M)"
+        for name, row in report["rows"].items():
+            fsdp2 = row_of(report, "fsdp2 lora" if name.endswith("lora") else "fsdp2")
+            rows.append([
+                label, name, f"{row['step_s']:.3f}", f"{row['cpu_s']:.3f}",
+                mib(row["peak_above_start"], ".1f"), f"{row['step_s'] / fsdp2['step_s']:.2f}",
+                f"{row['peak_above_start'] / fsdp2['peak_above_start']:.2f}",
+            ])  # fmt: skip
+    return markdown(header, rows)
+
+
 KINDS: dict[str, Callable[[list[Report]], Lines]] = {
+    "trainer": trainer_table,
     "regroup": regroup_table,
     "checkpoint": checkpoint_table,
     "whole-param": whole_param_table,

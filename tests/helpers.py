@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -264,3 +269,43 @@ def emulated_cast_step(
         if p.requires_grad:
             p.grad = (total[name] / len(batches)).to(p.dtype)
     return losses
+
+
+def run_under_torchrun(arguments: list[str], folder: Path, timeout: float = 240) -> str:
+    """``torchrun --standalone --nproc-per-node 2 *arguments`` in ``folder``, as a user runs
+    a script; its stdout. Fails with the workers' own stderr (their real error), and on a
+    hang at ``timeout``."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    result = subprocess.run(
+        [*command, "2", *arguments], env=env, cwd=folder, capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-6000:]
+    return result.stdout
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def run_benchmark(script: str, folder: Path, *arguments: str, timeout: float = 300) -> dict:
+    """``python benchmarks/<script> *arguments --out <folder>/r.json`` from the repository
+    root (a benchmark's smoke test); its JSON report. Fails with the script's stderr."""
+    out = folder / "r.json"
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *arguments, "--out", str(out)],
+        cwd=BENCHMARKS.parent, capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def rendered_table(kind: str, reports: list[dict]) -> list[str]:
+    """benchmarks/tables.py's table of ``kind`` for ``reports``: its markdown lines."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import tables
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    return tables.KINDS[kind](reports)

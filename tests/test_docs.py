@@ -1,43 +1,39 @@
-"""The guides' complete scripts run as written: the first ```python block of each guide
-listed here, under ``torchrun --standalone --nproc-per-node 2`` on CPU, prints what the
-guide shows it prints."""
+"""The guides' complete scripts run as written: the ```python blocks listed here, under
+``torchrun --standalone --nproc-per-node 2`` on CPU, print what the guide shows they print."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from helpers import run_under_torchrun
+
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 BLOCK = re.compile(r"^```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 # guide -> a pattern of the line its script prints (the guide shows that line)
-GUIDES = {
-    "checkpoints.md": r"loss after 9 steps: FSDP2 -> groupshard -> FSDP2 ([\d.]+), "
+SCRIPTS = {
+    ("checkpoints.md", 0): r"loss after 9 steps: FSDP2 -> groupshard -> FSDP2 ([\d.]+), "
     r"FSDP2 alone ([\d.]+)",
+    ("integrations.md", 0): r"trained 10 steps, loss ([\d.]+); from_pretrained: (\d+) parameters",
+    ("integrations.md", 1): r"LoRA weights (\d+), optimizer elements on this rank (\d+)",
+    ("integrations.md", 2): r"32 micro-batches per rank, last loss ([\d.]+)",
 }
+"""(guide, index of its python block) -> a pattern of the line the script prints (the guide
+shows that line). Each guide's first block; every block of integrations.md."""
 
 
-def first_script(guide: str) -> str:
-    match = BLOCK.search((DOCS / guide).read_text())
-    assert match is not None, f"{guide} has no python block"
-    return match.group(1)
+def script(guide: str, index: int) -> str:
+    blocks = BLOCK.findall((DOCS / guide).read_text())
+    assert len(blocks) > index, f"{guide} has {len(blocks)} python blocks"
+    return blocks[index]
 
 
-def run_under_torchrun(script: str, folder: Path) -> str:
+def run_script(text: str, folder: Path) -> str:
     path = folder / "script.py"
-    path.write_text(script)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
-    result = subprocess.run(
-        [*command, "2", str(path)], env=env, cwd=folder, capture_output=True, text=True,
-        timeout=240,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
+    path.write_text(text)
+    return run_under_torchrun([str(path)], folder)
 
 
 def _crossed_equals_alone(crossed: str, alone: str) -> bool:
@@ -45,16 +41,26 @@ def _crossed_equals_alone(crossed: str, alone: str) -> bool:
     return abs(float(crossed) - float(alone)) <= 1e-5 * max(1.0, abs(float(alone)))
 
 
+def _state_for_a_shard_of_lora_only(lora: str, on_this_rank: str) -> bool:
+    """A rank's optimizer holds about half of the LoRA weights (2 ranks; padding) and
+    nothing of the frozen base model."""
+    return int(lora) // 2 <= int(on_this_rank) < int(lora) // 2 + 64
+
+
 # what the printed numbers must show, beside being printed
-CHECKS = {"checkpoints.md": _crossed_equals_alone}
+CHECKS = {
+    ("checkpoints.md", 0): _crossed_equals_alone,
+    ("integrations.md", 1): _state_for_a_shard_of_lora_only,
+}
 
 
-@pytest.mark.parametrize("guide", sorted(GUIDES))
-def test_the_guides_first_script_runs_as_written(tmp_path, guide):
-    printed = run_under_torchrun(first_script(guide), tmp_path)
-    found = re.search(GUIDES[guide], printed)
+@pytest.mark.parametrize("guide, index", sorted(SCRIPTS))
+def test_the_guides_scripts_run_as_written(tmp_path, guide, index):
+    printed = run_script(script(guide, index), tmp_path)
+    pattern = SCRIPTS[guide, index]
+    found = re.search(pattern, printed)
     assert found is not None, printed
     # the guide shows the line it prints (its digits may differ on another CPU)
-    assert re.search(GUIDES[guide], (DOCS / guide).read_text()) is not None
-    if guide in CHECKS:
-        assert CHECKS[guide](*found.groups()), found.group(0)
+    assert re.search(pattern, (DOCS / guide).read_text()) is not None
+    if (guide, index) in CHECKS:
+        assert CHECKS[guide, index](*found.groups()), found.group(0)

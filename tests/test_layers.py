@@ -11,9 +11,10 @@ LAYERS = {
     "pure": ["layout", "groups", "units", "options", "precision", "writes"],
     "communication": ["comm", "mesh"],
     "storage": ["segments", "flatten", "gradients", "storage"],
-    "runtime": ["unit_runtime", "gathers", "buckets", "end_of_backward", "runtime"],
+    "runtime": ["unit_runtime", "gathers", "buckets", "end_of_backward", "guards", "runtime"],
     "model": ["sharding", "materialize", "norms", "scaler", "safetensors_io", "full_state"],
     "front-ends": ["api", "regroup", "optim", "zero", "checkpoint", "torch_hook"],
+    "integrations": ["integrations"],
     "command line": ["cli", "__init__", "__main__"],
 }
 LEVEL = {name: level for level, names in enumerate(LAYERS.values()) for name in names}

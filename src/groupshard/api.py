@@ -18,6 +18,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from groupshard import comm
 from groupshard.full_state import full_state_dict, load_full_state_dict
 from groupshard.groups import ParamGroups, ResolvedGroups, resolve_groups
+from groupshard.guards import wrapped_error
 from groupshard.layout import FROZEN_GROUP, StorageLayout, build_storage
 from groupshard.materialize import (
     ParamInitFn,
@@ -124,7 +125,12 @@ class ShardedModule(nn.Module):
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         """Refuse ``to(dtype)``, ``half()``, ``double()``, ``type(...)``... (all go through
         ``_apply``) before anything changes when they would convert the shards: the flat
-        storages, their gathered buffers and the optimizer's parameters would part ways."""
+        storages, their gathered buffers and the optimizer's parameters would part ways.
+
+        A call that leaves them where they are is a no-op, whatever its spelling:
+        ``.to("cpu:0")`` of shards on ``"cpu"`` (torch copies then: another spelling of
+        the device), ``.cuda()`` on their own GPU, ``.to_empty()`` on their device.
+        """
         for storage in self.groupshard.storages:
             probe = fn(storage.local.new_empty(0))
             if probe.dtype != storage.local.dtype or probe.device != storage.local.device:
@@ -136,7 +142,23 @@ class ShardedModule(nn.Module):
                     "gs.shard; to compute in another dtype, shard with "
                     "mixed_precision=gs.MixedPrecision(param_dtype=...)."
                 )
-        return super()._apply(fn, recurse)
+
+        def unless_unchanged(tensor: torch.Tensor) -> torch.Tensor:
+            empty = tensor.new_empty(0)
+            probe = fn(empty)
+            if probe is not empty and (probe.dtype, probe.device) == (empty.dtype, empty.device):
+                return tensor  # a copy in place: keep the tensor the storages hold
+            return fn(tensor)
+
+        return super()._apply(unless_unchanged, recurse)
+
+    @property
+    def _ddp_params_and_buffers_to_ignore(self) -> Any:
+        # DistributedDataParallel's constructor reads this attribute first (with hasattr,
+        # which lets any error but AttributeError through), before it broadcasts rank 0's
+        # parameters over every rank's: the one point where DDP can be refused before it
+        # overwrites the shards.
+        raise wrapped_error("DistributedDataParallel")
 
     @contextmanager
     def summon_full_params(self, writeback: bool = False) -> Iterator[None]:

@@ -38,7 +38,7 @@ def full_state_dict(
     for storage in state.storages:
         for fqn, tensor in storage.gather_params().items():
             if keep:
-                gathered[fqn] = tensor.cpu() if cpu_offload else tensor
+                gathered[fqn] = _own_storage(tensor.cpu() if cpu_offload else tensor)
     if not keep:
         return {}
     with originals_installed(model, gathered):
@@ -50,6 +50,15 @@ def full_state_dict(
         else:  # a buffer of the live model
             result[name] = (tensor.detach().cpu() if cpu_offload else tensor.detach()).clone()
     return dict(result)
+
+
+def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """A view of a gathered flat buffer copied into a storage of its own, as each entry of
+    torch's ``state_dict()`` has one (safetensors refuses tensors that share a storage
+    without covering it), and so the flat buffer is freed once its unit is copied."""
+    if tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size():
+        return tensor
+    return tensor.clone()
 
 
 def _expected_entries(model: nn.Module) -> dict[str, tuple[str | None, torch.Size]]:

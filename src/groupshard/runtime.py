@@ -31,6 +31,7 @@ from groupshard.buckets import GradientBuckets, reduce_held_partials
 from groupshard.end_of_backward import agree_on_gradients_and_order
 from groupshard.gathers import GatherSchedule
 from groupshard.gradients import register_optimizer_hooks
+from groupshard.guards import check_not_wrapped
 from groupshard.options import ShardOptions
 from groupshard.storage import FlatStorage
 from groupshard.unit_runtime import UnitRuntime
@@ -117,6 +118,11 @@ class ShardedRuntime:
                 return None if unit.policy is None else unit.policy.cast_inputs(args, kwargs)
             for storage in unit.storages:
                 storage.check_shards()
+            check_not_wrapped(
+                unit.module,
+                [shard for storage in unit.storages for shard in storage.shards],
+                self.units[0].module if unit is self.units[0] else None,
+            )
             if unit is self.units[0]:
                 if self.state is not TrainingState.BACKWARD:
                     self.state = TrainingState.FORWARD

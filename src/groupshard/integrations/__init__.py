@@ -1,0 +1,5 @@
+"""Doors from the trainers people use: Hugging Face's Trainer and accelerate.
+
+Each module imports its library when it is imported, so ``import groupshard`` needs none
+of them; ``pip install -e ".[hf]"`` installs transformers, accelerate and peft.
+"""

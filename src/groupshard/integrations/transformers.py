@@ -1,0 +1,202 @@
+"""Hugging Face's ``Trainer`` over a sharded model: ``Trainer(..., groupshard={...})``.
+
+The model is given unsharded (a peft model too). The Trainer builds its optimizer as it
+always does, on the unsharded model — ``weight_decay`` on its decay names, the ``optim=``
+choice, or ``optimizers=(optimizer, scheduler)`` built by the user — and the model is
+sharded with exactly that optimizer's param groups; the optimizer is then pointed at the
+shards in place (``gs.shard_optimizer``'s groups, the same object, so a scheduler built on
+it stays bound). Nothing is wrapped in DDP: the model and optimizer go to accelerate through
+``groupshard.integrations.accelerate.prepare``.
+
+What the Trainer does differently for a sharded model:
+- ``bf16``/``fp16`` shard with ``gs.MixedPrecision`` (fp32 gradient reduction) unless
+  ``groupshard`` gives ``mixed_precision``; fp16's loss scaler is a ``gs.GradScaler``;
+- checkpoints (``save_steps``) hold the model and optimizer as ``gs.checkpoint`` in
+  ``<checkpoint>/groupshard`` (every rank writes its shards), beside Trainer's own files
+  (the full model for ``from_pretrained``, scheduler, RNG, trainer state), and
+  ``resume_from_checkpoint`` loads them at any world size;
+- ``save_model`` gathers the full model on rank 0 and writes it as Trainer does
+  (safetensors; the adapter for a peft model); every rank calls it, as with FSDP.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import transformers
+from accelerate.optimizer import AcceleratedOptimizer
+
+from groupshard import checkpoint as gs_checkpoint
+from groupshard.api import ShardedModule, shard, shard_optimizer
+from groupshard.full_state import full_state_dict
+from groupshard.integrations.accelerate import prepare
+from groupshard.precision import MixedPrecision
+
+CHECKPOINT_FOLDER = "groupshard"
+"""Where a Trainer checkpoint keeps the sharded model and optimizer."""
+
+SHARD_OPTIONS = tuple(
+    name for name in inspect.signature(shard).parameters if name not in ("model", "param_groups")
+)
+
+
+class Trainer(transformers.Trainer):
+    """``transformers.Trainer`` that shards its model with groupshard.
+
+    Args:
+        groupshard: the options of ``gs.shard`` (``unit``, ``strategy``, ``mixed_precision``,
+            ``mesh``...), without ``param_groups``: those are the Trainer's optimizer's.
+        Everything else: ``transformers.Trainer``'s arguments.
+    """
+
+    def __init__(self, *args: Any, groupshard: Mapping[str, Any] | None = None, **kwargs: Any):
+        options = _shard_options(groupshard)
+        if kwargs.get("model_init") is not None:
+            raise ValueError(
+                "groupshard's Trainer does not take model_init (the model would be built "
+                "again unsharded at train()): pass the model."
+            )
+        super().__init__(*args, **kwargs)
+        if self.model is None:
+            raise ValueError("groupshard's Trainer needs model=, the unsharded model.")
+        _refuse_what_cannot_apply(self.args, self.accelerator)
+        if "mixed_precision" not in options:
+            options["mixed_precision"] = _precision(self.args)
+        optimizer = self.optimizer if self.optimizer is not None else self.create_optimizer()
+        model = shard(self.model, optimizer.param_groups, **options)
+        _point_at_shards(optimizer, model, self.args.optim)
+        self.model = self.model_wrapped = model
+        self.optimizer = prepare(self.accelerator, model, optimizer)[1]
+        self.callback_handler.model = model
+        self.callback_handler.optimizer = self.optimizer
+
+    def _wrap_model(self, model: Any, training: bool = True, dataloader: Any = None) -> Any:
+        return model  # never DDP, DataParallel or FSDP: the model is sharded
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The full model on rank 0, written as Trainer writes it (``from_pretrained`` loads
+        it; a peft model writes its adapter). A collective: every rank calls it."""
+        state_dict = full_state_dict(self.model, rank0_only=True, cpu_offload=True)
+        self._save(output_dir, state_dict=state_dict if self.args.should_save else None)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        if not self.args.should_save:
+            return  # transformers' _save would gather the model again on other ranks
+        super()._save(output_dir, state_dict=state_dict)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        gs_checkpoint.save(
+            os.path.join(output_dir, CHECKPOINT_FOLDER), self.model, _unwrapped(self.optimizer)
+        )
+        if self.args.should_save:
+            with warnings.catch_warnings(record=True):
+                torch.save(
+                    self.lr_scheduler.state_dict(),
+                    os.path.join(output_dir, transformers.trainer.SCHEDULER_NAME),
+                )
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        if os.path.isdir(os.path.join(resume_from_checkpoint, CHECKPOINT_FOLDER)):
+            return  # the model is loaded with the optimizer, from the sharded checkpoint
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        folder = os.path.join(checkpoint, CHECKPOINT_FOLDER)
+        if not os.path.isdir(folder):
+            raise ValueError(
+                f"{checkpoint} has no {CHECKPOINT_FOLDER}/ folder: it was not written by "
+                "groupshard's Trainer, so it holds no optimizer state of a sharded model. "
+                "Load its weights with from_pretrained and start a new run."
+            )
+        gs_checkpoint.load(folder, self.model, _unwrapped(self.optimizer))
+        scheduler_file = os.path.join(checkpoint, transformers.trainer.SCHEDULER_NAME)
+        self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+
+
+def _shard_options(groupshard: Mapping[str, Any] | None) -> dict[str, Any]:
+    if groupshard is None:
+        raise TypeError(
+            "groupshard's Trainer needs groupshard={'unit': ..., 'strategy': ...} (gs.shard's "
+            "options); without it use transformers.Trainer."
+        )
+    if not isinstance(groupshard, Mapping):
+        raise TypeError(f"groupshard= expects a dict of gs.shard's options but got {groupshard!r}")
+    unknown = [name for name in groupshard if name not in SHARD_OPTIONS]
+    if unknown:
+        raise ValueError(
+            f"groupshard= has {unknown}, which gs.shard does not take (it takes "
+            f"{list(SHARD_OPTIONS)}; the param groups are the Trainer's optimizer's)."
+        )
+    return dict(groupshard)
+
+
+def _refuse_what_cannot_apply(args: transformers.TrainingArguments, accelerator: Any) -> None:
+    """TrainingArguments that would shard or wrap the model another way, or leave the data
+    unsplit, raise."""
+    for name in ("fsdp", "deepspeed"):
+        if getattr(args, name, None):
+            raise ValueError(
+                f"TrainingArguments({name}=...) and groupshard both shard the model: remove "
+                f"{name}= (groupshard= gives the sharding)."
+            )
+    if args.n_gpu > 1:
+        raise ValueError(
+            f"TrainingArguments sees {args.n_gpu} GPUs in one process (torch.nn.DataParallel); "
+            "launch one process per GPU with torchrun or accelerate launch."
+        )
+    if getattr(args, "parallelism_config", None) is not None:
+        raise ValueError(
+            "TrainingArguments(parallelism_config=...) is not supported with groupshard's "
+            "Trainer: groupshard= gives the data-parallel sharding."
+        )
+    if dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+        if accelerator.num_processes != world:
+            raise ValueError(
+                f"The Trainer runs {accelerator.num_processes} process(es) in a process group "
+                f"of {world}: every rank would train on the same batches. On the CPU pass "
+                "TrainingArguments(use_cpu=True) under torchrun (accelerate's distributed CPU "
+                "mode)."
+            )
+
+
+def _precision(args: transformers.TrainingArguments) -> MixedPrecision | None:
+    if args.bf16:
+        return MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if args.fp16:
+        return MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    return None
+
+
+def _point_at_shards(optimizer: torch.optim.Optimizer, model: ShardedModule, optim: Any) -> None:
+    """``gs.shard_optimizer``'s groups, put into ``optimizer`` itself: a scheduler built on
+    it, and accelerate's wrapper, stay bound to the optimizer that steps."""
+    try:
+        rebuilt = shard_optimizer(optimizer, model)
+    except TypeError as error:
+        raise ValueError(
+            f"The Trainer's optimizer {type(optimizer).__name__} (optim={optim!r}) cannot be "
+            f"rebuilt over the shards ({error}); use a torch.optim optimizer (optim="
+            "'adamw_torch', 'adamw_torch_fused', 'sgd', 'adagrad', 'rmsprop'...) or pass "
+            "optimizers=(optimizer, scheduler)."
+        ) from error
+    optimizer.param_groups.clear()
+    for group in rebuilt.param_groups:
+        optimizer.add_param_group(group)
+
+
+def _unwrapped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer inside accelerate's wrapper."""
+    while isinstance(optimizer, AcceleratedOptimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
