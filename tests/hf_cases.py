@@ -1,9 +1,10 @@
 """Cases of tests/test_hf_integrations.py, each run under torchrun (2 processes, gloo on the
 CPU) as a user runs Hugging Face's Trainer or an accelerate loop:
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/hf_cases.py CASE FOLDER
+    torchrun --standalone --nproc-per-node 2 tests/hf_cases.py FOLDER [CASE...]
 
-in an empty FOLDER; rank 0 writes what the test checks to FOLDER/result.json.
+(every case when none is named) in an empty FOLDER; rank 0 writes what the tests check to
+FOLDER/result.json, per case its result or its traceback.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import traceback
 from typing import Any
 
 import torch
@@ -373,12 +375,18 @@ CASES = {
 
 
 def main() -> None:
-    case, folder = sys.argv[1], sys.argv[2]
+    folder, names = sys.argv[1], sys.argv[2:] or list(CASES)
     torch.set_num_threads(1)
-    result = CASES[case](folder)
+    results: dict[str, Any] = {}
+    for name in names:  # one launch for all: each torchrun start costs seconds
+        os.makedirs(os.path.join(folder, name), exist_ok=True)
+        try:
+            results[name] = {"result": CASES[name](os.path.join(folder, name))}
+        except Exception:  # the other cases still run; the test shows this traceback
+            results[name] = {"error": traceback.format_exc()}
     if int(os.environ.get("RANK", "0")) == 0:
         with open(os.path.join(folder, "result.json"), "w") as file:
-            json.dump(result, file)
+            json.dump(results, file)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -17,13 +17,22 @@ CASES = Path(__file__).resolve().parent / "hf_cases.py"
 TOLERANCE = 1e-5
 
 
-def run_case(case: str, folder: Path) -> dict:
-    run_under_torchrun([str(CASES), case, str(folder)], folder, timeout=180)
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    """Every case of hf_cases.py, in one torchrun launch (each launch costs seconds)."""
+    folder = tmp_path_factory.mktemp("hf")
+    run_under_torchrun([str(CASES), str(folder)], folder, timeout=420)
     return json.loads((folder / "result.json").read_text())
 
 
-def test_trainer_equals_trainer_with_ddp_and_saves_for_from_pretrained(tmp_path):
-    result = run_case("trainer", tmp_path)
+def case(results: dict, name: str) -> dict:
+    if "error" in results[name]:
+        pytest.fail(f"case {name!r} raised:\n{results[name]['error']}")
+    return results[name]["result"]
+
+
+def test_trainer_equals_trainer_with_ddp_and_saves_for_from_pretrained(results):
+    result = case(results, "trainer")
     assert result["sharded"] and result["never_ddp"]
     # every micro-batch but each step's last under no_sync: one reduction per step
     assert result["no_sync_entered_at_steps"] == [0, 1, 2, 3]
@@ -39,15 +48,15 @@ def test_trainer_equals_trainer_with_ddp_and_saves_for_from_pretrained(tmp_path)
     assert shape == [8, 16, 64] and logits_difference < 1e-4
 
 
-def test_trainer_with_the_users_optimizer_and_scheduler_equals_ddp(tmp_path):
-    result = run_case("optimizers", tmp_path)
+def test_trainer_with_the_users_optimizer_and_scheduler_equals_ddp(results):
+    result = case(results, "optimizers")
     assert result["same_optimizer"] and result["scheduler_bound"]
     assert result["difference"] < TOLERANCE
     assert result["lrs"][0] == pytest.approx(result["lrs"][1])
 
 
-def test_trainer_bf16_computes_in_bf16_and_reduces_in_fp32(tmp_path):
-    result = run_case("bf16", tmp_path)
+def test_trainer_bf16_computes_in_bf16_and_reduces_in_fp32(results):
+    result = case(results, "bf16")
     assert result["policies"] == [["torch.bfloat16", "torch.float32"]]
     assert result["shard_dtypes"] == ["torch.float32"]
     # bf16 compute: near the fp32 run, not equal to it
@@ -71,8 +80,8 @@ def test_groupshard_imports_without_the_hf_libraries():
     assert "refused:" in result.stdout
 
 
-def test_trainer_resumed_from_its_checkpoint_equals_the_whole_run(tmp_path):
-    result = run_case("resume", tmp_path)
+def test_trainer_resumed_from_its_checkpoint_equals_the_whole_run(results):
+    result = case(results, "resume")
     assert "groupshard" in result["files"] and "model.safetensors" in result["files"]
     assert result["difference"] < TOLERANCE
     assert result["scheduler_steps"][0] == result["scheduler_steps"][1] == 4
@@ -80,8 +89,8 @@ def test_trainer_resumed_from_its_checkpoint_equals_the_whole_run(tmp_path):
     assert resumed == pytest.approx(whole, abs=TOLERANCE)
 
 
-def test_trainer_with_peft_lora_equals_ddp_without_state_for_frozen_weights(tmp_path):
-    result = run_case("lora", tmp_path)
+def test_trainer_with_peft_lora_equals_ddp_without_state_for_frozen_weights(results):
+    result = case(results, "lora")
     assert result["difference"] < TOLERANCE
     assert result["lora_b_trained"] > 0  # LoRA's B starts at zero: it trained
     assert result["frozen_grads"] == []
@@ -93,8 +102,8 @@ def test_trainer_with_peft_lora_equals_ddp_without_state_for_frozen_weights(tmp_
     assert result["adapter_difference"] == 0.0
 
 
-def test_accelerate_loop_equals_ddp_and_resumes_from_save_state(tmp_path):
-    result = run_case("accelerate", tmp_path)
+def test_accelerate_loop_equals_ddp_and_resumes_from_save_state(results):
+    result = case(results, "accelerate")
     assert result["never_ddp"]
     assert result["difference"] < TOLERANCE
     assert result["resumed_difference"] < TOLERANCE
