@@ -615,11 +615,13 @@ def trainer_table(reports: list[Report]) -> Lines:
             raise TableError("expects results of benchmarks/trainer.py")
         label = f"{report['model']} ({report['parameters'] / 1e6:.0f}M)"
         for name, row in report["rows"].items():
-            fsdp2 = row_of(report, "fsdp2 lora" if name.endswith("lora") else "fsdp2")
+            # a run of some rows (--rows) may lack the FSDP2 row: no ratio then
+            fsdp2 = report["rows"].get("fsdp2 lora" if name.endswith("lora") else "fsdp2")
             rows.append([
                 label, name, f"{row['step_s']:.3f}", f"{row['cpu_s']:.3f}",
-                mib(row["peak_above_start"], ".1f"), f"{row['step_s'] / fsdp2['step_s']:.2f}",
-                f"{row['peak_above_start'] / fsdp2['peak_above_start']:.2f}",
+                mib(row["peak_above_start"], ".1f"),
+                f"{row['step_s'] / fsdp2['step_s']:.2f}" if fsdp2 else "–",
+                f"{row['peak_above_start'] / fsdp2['peak_above_start']:.2f}" if fsdp2 else "–",
             ])  # fmt: skip
     return markdown(header, rows)
 

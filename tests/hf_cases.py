@@ -294,6 +294,14 @@ def lora_case(folder: str) -> dict[str, Any]:
     trainer.save_model(saved)
     dist.barrier()
     loaded = PeftModel.from_pretrained(tiny_llama(), saved)
+    # gs.full_state_dict loads into an unsharded peft model, which merges as usual
+    unsharded = lora(tiny_llama(seed=5))
+    unsharded.load_state_dict(mine)
+    ids = Tokens()[0]["input_ids"][None]
+    with torch.no_grad():
+        before = unsharded(input_ids=ids).logits
+        merged = unsharded.merge_and_unload()
+        after = merged(input_ids=ids).logits
     return {
         "difference": difference(mine, reference),
         "state_elements": state_elements,
@@ -303,6 +311,7 @@ def lora_case(folder: str) -> dict[str, Any]:
         "frozen_grads": frozen_grads,
         "files": sorted(os.listdir(saved)),
         "adapter_difference": difference(weights(loaded), mine),
+        "merged": [type(merged).__name__, (before - after).abs().max().item()],
     }
 
 

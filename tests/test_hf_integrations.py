@@ -100,6 +100,8 @@ def test_trainer_with_peft_lora_equals_ddp_without_state_for_frozen_weights(resu
     assert "adapter_model.safetensors" in result["files"]
     assert "model.safetensors" not in result["files"]
     assert result["adapter_difference"] == 0.0
+    merged_class, merged_difference = result["merged"]
+    assert merged_class == "LlamaForCausalLM" and merged_difference < 1e-5
 
 
 def test_accelerate_loop_equals_ddp_and_resumes_from_save_state(results):
