@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -97,11 +96,8 @@ class Trainer(transformers.Trainer):
             os.path.join(output_dir, CHECKPOINT_FOLDER), self.model, _unwrapped(self.optimizer)
         )
         if self.args.should_save:
-            with warnings.catch_warnings(record=True):
-                torch.save(
-                    self.lr_scheduler.state_dict(),
-                    os.path.join(output_dir, transformers.trainer.SCHEDULER_NAME),
-                )
+            scheduler_file = os.path.join(output_dir, transformers.trainer.SCHEDULER_NAME)
+            torch.save(self.lr_scheduler.state_dict(), scheduler_file)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         if os.path.isdir(os.path.join(resume_from_checkpoint, CHECKPOINT_FOLDER)):
