@@ -48,7 +48,7 @@ class ShardedAcceleratedOptimizer(AcceleratedOptimizer):
         load_optim_state_dict(self.sharded_model, self.optimizer, state_dict)
 
 
-def prepare(accelerator: Accelerator, *objects: Any, device_placement: Any = None) -> Any:
+def prepare(accelerator: Accelerator, *objects: Any) -> Any:
     """``accelerator.prepare(*objects)`` for objects among which are models sharded by
     ``gs.shard`` and optimizers over their shards: those are never wrapped in DDP; the
     rest is prepared by accelerate. Returns what ``accelerator.prepare`` returns."""
@@ -65,9 +65,9 @@ def prepare(accelerator: Accelerator, *objects: Any, device_placement: Any = Non
         if isinstance(obj, ShardedModule):
             obj = _prepare_model(accelerator, obj)
         elif isinstance(obj, torch.optim.Optimizer):
-            obj = _prepare_optimizer(accelerator, obj, models, device_placement)
+            obj = _prepare_optimizer(accelerator, obj, models)
         prepared.append(obj)
-    return accelerator.prepare(*prepared, device_placement=device_placement)
+    return accelerator.prepare(*prepared)
 
 
 def _prepare_model(accelerator: Accelerator, model: ShardedModule) -> ShardedModule:
@@ -87,10 +87,7 @@ def _prepare_model(accelerator: Accelerator, model: ShardedModule) -> ShardedMod
 
 
 def _prepare_optimizer(
-    accelerator: Accelerator,
-    optimizer: torch.optim.Optimizer,
-    models: list[ShardedModule],
-    device_placement: Any,
+    accelerator: Accelerator, optimizer: torch.optim.Optimizer, models: list[ShardedModule]
 ) -> Any:
     if isinstance(optimizer, AcceleratedOptimizer):
         return optimizer
@@ -98,12 +95,7 @@ def _prepare_optimizer(
     if owner is None:
         return optimizer  # an optimizer of another model: accelerate's
     wrapped = ShardedAcceleratedOptimizer(
-        optimizer,
-        owner,
-        device_placement=accelerator.device_placement
-        if device_placement is None
-        else device_placement,
-        scaler=accelerator.scaler,
+        optimizer, owner, device_placement=accelerator.device_placement, scaler=accelerator.scaler
     )
     wrapped._is_accelerate_prepared = True
     return wrapped
