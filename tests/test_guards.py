@@ -131,6 +131,7 @@ def same_device_case(rank: int, world_size: int) -> tuple[list[bool], float, str
         )
     for inputs, targets in global_batches(3, world_size):
         model(inputs[rank::world_size], targets[rank::world_size]).backward()
+        model.to("cpu:0")  # with gradients present: they stay the ones the optimizer steps
         optimizer.step()
         optimizer.zero_grad()
         reference(inputs, targets).backward()

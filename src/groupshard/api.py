@@ -144,10 +144,14 @@ class ShardedModule(nn.Module):
                 )
 
         def unless_unchanged(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.dim() in (4, 5):  # to(memory_format=...) may change these: torch's
+                return fn(tensor)
             empty = tensor.new_empty(0)
             probe = fn(empty)
             if probe is not empty and (probe.dtype, probe.device) == (empty.dtype, empty.device):
-                return tensor  # a copy in place: keep the tensor the storages hold
+                # the same dtype and device, another spelling (torch would copy): keep the
+                # tensor itself, which a flat storage may hold (shards, their gradients)
+                return tensor
             return fn(tensor)
 
         return super()._apply(unless_unchanged, recurse)
