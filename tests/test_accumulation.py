@@ -99,19 +99,28 @@ def accumulation_case(
         unsynced, synced = Counter(), Counter()
         with mock.patch.multiple(comm, **_counting(unsynced)):
             for micro_inputs, micro_targets in mine[:-1]:
-                if switch == "no_sync":
+                if switch in ("no_sync", "closure"):
                     with sharded.no_sync():
                         (sharded(micro_inputs, micro_targets) / MICRO_BATCHES).backward()
                 else:
                     sharded.set_requires_gradient_sync(False)
                     (sharded(micro_inputs, micro_targets) / MICRO_BATCHES).backward()
-        if switch != "no_sync":
+        if switch == "set_requires_gradient_sync":
             sharded.set_requires_gradient_sync(True)
-        with mock.patch.multiple(comm, **_counting(synced)):
-            (sharded(*mine[-1]) / MICRO_BATCHES).backward()
+
+        def last_micro_batch(last: tuple = mine[-1]) -> torch.Tensor:
+            loss = sharded(*last) / MICRO_BATCHES
+            loss.backward()
             if clip:
                 gs.clip_grad_norm_(sharded, 0.05)
-            sharded_opt.step()
+            return loss
+
+        with mock.patch.multiple(comm, **_counting(synced)):
+            if switch == "closure":  # the backward runs inside step, as Lightning's
+                sharded_opt.step(last_micro_batch)
+            else:
+                last_micro_batch()
+                sharded_opt.step()
             sharded_opt.zero_grad()
         unsynced_counts.append(unsynced)
         synced_counts.append(synced)
@@ -160,6 +169,18 @@ def test_accumulation_matches_global_batch(run_ranks, strategy, groups, optimize
 def test_set_requires_gradient_sync_at_three_ranks(run_ranks, strategy):
     for difference, unsynced, _ in run_ranks(
         3, accumulation_case, strategy, "three", "adamw", False, "set_requires_gradient_sync"
+    ):
+        assert difference <= TOLERANCE, difference
+        assert all(_reductions(counts) == 0 for counts in unsynced), unsynced
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "lamb"])
+def test_step_with_a_closure_that_runs_the_last_backward(run_ranks, optimizer):
+    """``optimizer.step(closure)`` whose closure runs the last micro-batch's synced backward
+    and the clipping (Lightning's automatic optimization): the step sees the reduced
+    gradients, equal to one process."""
+    for difference, unsynced, _ in run_ranks(
+        2, accumulation_case, "full", "three", optimizer, True, "closure"
     ):
         assert difference <= TOLERANCE, difference
         assert all(_reductions(counts) == 0 for counts in unsynced), unsynced

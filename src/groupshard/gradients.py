@@ -395,8 +395,29 @@ def _refuse_shape_dependent(optimizer: torch.optim.Optimizer) -> None:
                 )
 
 
-def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
+    """Before an optimizer's step: its shards' gradients as plain tensors. With a closure
+    (``step(closure)``: Lightning, LBFGS) that runs a backward inside the step, that
+    happens after each closure call, before the optimizer's own math."""
     _refuse_shape_dependent(optimizer)
+    # torch passes the optimizer itself as args[0], then step's own arguments
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    if not callable(closure):
+        _prepare_step(optimizer, args, kwargs)
+        return None
+
+    def closure_then_prepare() -> Any:
+        _after_step(optimizer, args, kwargs)  # an earlier call's holds (LBFGS calls again)
+        loss = closure()
+        _prepare_step(optimizer, args, kwargs)
+        return loss
+
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": closure_then_prepare}
+    return (args[0], closure_then_prepare, *args[2:]), kwargs
+
+
+def _prepare_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if _accumulating:
         _refuse_unreduced_gradients(optimizer)
     # A step of this optimizer that raised left its holds behind: settle them first.

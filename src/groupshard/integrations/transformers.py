@@ -21,7 +21,6 @@ What the Trainer does differently for a sharded model:
 
 from __future__ import annotations
 
-import inspect
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -32,17 +31,14 @@ import transformers
 from accelerate.optimizer import AcceleratedOptimizer
 
 from groupshard import checkpoint as gs_checkpoint
-from groupshard.api import ShardedModule, shard, shard_optimizer
+from groupshard.api import shard
 from groupshard.full_state import full_state_dict
 from groupshard.integrations.accelerate import prepare
+from groupshard.integrations.common import check_shard_options, half_precision, point_at_shards
 from groupshard.precision import MixedPrecision
 
 CHECKPOINT_FOLDER = "groupshard"
 """Where a Trainer checkpoint keeps the sharded model and optimizer."""
-
-SHARD_OPTIONS = tuple(
-    name for name in inspect.signature(shard).parameters if name not in ("model", "param_groups")
-)
 
 
 class Trainer(transformers.Trainer):
@@ -69,7 +65,12 @@ class Trainer(transformers.Trainer):
             options["mixed_precision"] = _precision(self.args)
         optimizer = self.optimizer if self.optimizer is not None else self.create_optimizer()
         model = shard(self.model, optimizer.param_groups, **options)
-        _point_at_shards(optimizer, model, self.args.optim)
+        point_at_shards(
+            optimizer,
+            model,
+            f"with optim={self.args.optim!r} use a torch.optim optimizer (optim='adamw_torch', "
+            "'adamw_torch_fused', 'sgd', 'rmsprop'...) or pass optimizers=(optimizer, scheduler).",
+        )
         self.model = self.model_wrapped = model
         self.optimizer = prepare(self.accelerator, model, optimizer)[1]
         self.callback_handler.model = model
@@ -127,13 +128,7 @@ def _shard_options(groupshard: Mapping[str, Any] | None) -> dict[str, Any]:
         )
     if not isinstance(groupshard, Mapping):
         raise TypeError(f"groupshard= expects a dict of gs.shard's options but got {groupshard!r}")
-    unknown = [name for name in groupshard if name not in SHARD_OPTIONS]
-    if unknown:
-        raise ValueError(
-            f"groupshard= has {unknown}, which gs.shard does not take (it takes "
-            f"{list(SHARD_OPTIONS)}; the param groups are the Trainer's optimizer's)."
-        )
-    return dict(groupshard)
+    return check_shard_options(groupshard, "groupshard=")
 
 
 def _refuse_what_cannot_apply(args: transformers.TrainingArguments, accelerator: Any) -> None:
@@ -168,27 +163,10 @@ def _refuse_what_cannot_apply(args: transformers.TrainingArguments, accelerator:
 
 def _precision(args: transformers.TrainingArguments) -> MixedPrecision | None:
     if args.bf16:
-        return MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return half_precision(torch.bfloat16)
     if args.fp16:
-        return MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32)
+        return half_precision(torch.float16)
     return None
-
-
-def _point_at_shards(optimizer: torch.optim.Optimizer, model: ShardedModule, optim: Any) -> None:
-    """``gs.shard_optimizer``'s groups, put into ``optimizer`` itself: a scheduler built on
-    it, and accelerate's wrapper, stay bound to the optimizer that steps."""
-    try:
-        rebuilt = shard_optimizer(optimizer, model)
-    except TypeError as error:
-        raise ValueError(
-            f"The Trainer's optimizer {type(optimizer).__name__} (optim={optim!r}) cannot be "
-            f"rebuilt over the shards ({error}); use a torch.optim optimizer (optim="
-            "'adamw_torch', 'adamw_torch_fused', 'sgd', 'adagrad', 'rmsprop'...) or pass "
-            "optimizers=(optimizer, scheduler)."
-        ) from error
-    optimizer.param_groups.clear()
-    for group in rebuilt.param_groups:
-        optimizer.add_param_group(group)
 
 
 def _unwrapped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
