@@ -211,11 +211,13 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def run_row(row: str, model: str) -> list[dict[str, Any]]:
+def run_row(worker: Any, row: str, model: str) -> list[dict[str, Any]]:
+    """``worker(rank, row, model, port, folder, out)`` in two fresh processes; each rank's
+    JSON result (``out.<rank>``)."""
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "result")
         mp.start_processes(
-            _worker, args=(row, model, free_port(), os.path.join(folder, "run"), out),
+            worker, args=(row, model, free_port(), os.path.join(folder, "run"), out),
             nprocs=WORLD_SIZE, start_method="spawn",
         )  # fmt: skip
         return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(WORLD_SIZE)]
@@ -232,28 +234,25 @@ def summary(per_round: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", choices=sorted(MODELS), default="llama")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--rows", nargs="*", default=ROWS, choices=ROWS)
-    parser.add_argument("--out", help="default: benchmarks/results-<model>-trainer.json")
-    args = parser.parse_args()
-    out = args.out or str(HERE / f"results-{args.model}-trainer.json")
-    measured: dict[str, list[Any]] = {row: [] for row in args.rows}
-    for r in range(args.rounds):
-        for i in range(len(args.rows)):
-            row = args.rows[(r + i) % len(args.rows)]
-            measured[row].append(run_row(row, args.model))
+def measure(worker: Any, rows: list[str], model: str, rounds: int) -> dict[str, Any]:
+    """Each row ``rounds`` times, in an order that rotates from round to round; per row
+    its summary over rounds."""
+    measured: dict[str, list[Any]] = {row: [] for row in rows}
+    for r in range(rounds):
+        for i in range(len(rows)):
+            row = rows[(r + i) % len(rows)]
+            measured[row].append(run_row(worker, row, model))
             print(f"round {r} {row}: {measured[row][-1][0]['step_s']:.3f} s/step", flush=True)
-    rows = {row: summary(per_round) for row, per_round in measured.items()}
+    return {row: summary(per_round) for row, per_round in measured.items()}
+
+
+def write_report(out: str, rows: dict[str, Any], **fields: Any) -> None:
+    """The JSON report (kind "trainer") at ``out``, and the rows against FSDP2 printed."""
     report = {
         "kind": "trainer",
-        "model": args.model,
-        "shape": MODELS[args.model],
-        "parameters": measured[args.rows[0]][0][0]["parameters"],
+        **fields,
+        "parameters": next(iter(rows.values()))["per_round"][0][0]["parameters"],
         "world_size": WORLD_SIZE,
-        "rounds": args.rounds,
         "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_", "glibc default"),
         "torch": torch.__version__,
         "rows": rows,
@@ -265,6 +264,18 @@ def main() -> None:
         ratio = values["step_s"] / base["step_s"] if base else float("nan")
         print(f"{row:<18} {values['step_s']:7.3f} {values['cpu_s']:7.3f} "
               f"{values['peak_above_start'] / 2**20:9.1f} {ratio:8.2f}")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="llama")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rows", nargs="*", default=ROWS, choices=ROWS)
+    parser.add_argument("--out", help="default: benchmarks/results-<model>-trainer.json")
+    args = parser.parse_args()
+    rows = measure(_worker, args.rows, args.model, args.rounds)
+    out = args.out or str(HERE / f"results-{args.model}-trainer.json")
+    write_report(out, rows, model=args.model, shape=MODELS[args.model], rounds=args.rounds)
 
 
 if __name__ == "__main__":

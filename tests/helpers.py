@@ -6,6 +6,7 @@ import contextlib
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -286,6 +287,15 @@ def run_under_torchrun(arguments: list[str], folder: Path, timeout: float = 240)
 
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
+
+
+def guide_script(guide: str, index: int) -> str:
+    """The ``index``-th ```python block of ``docs/<guide>``."""
+    blocks = PYTHON_BLOCK.findall((DOCS / guide).read_text())
+    assert len(blocks) > index, f"{guide} has {len(blocks)} python blocks"
+    return blocks[index]
 
 
 def run_benchmark(script: str, folder: Path, *arguments: str, timeout: float = 300) -> dict:

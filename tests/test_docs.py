@@ -8,10 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import run_under_torchrun
+from helpers import DOCS, guide_script, run_under_torchrun
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
-BLOCK = re.compile(r"^```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 # guide -> a pattern of the line its script prints (the guide shows that line)
 SCRIPTS = {
     ("checkpoints.md", 0): r"loss after 9 steps: FSDP2 -> groupshard -> FSDP2 ([\d.]+), "
@@ -19,15 +17,11 @@ SCRIPTS = {
     ("integrations.md", 0): r"trained 10 steps, loss ([\d.]+); from_pretrained: (\d+) parameters",
     ("integrations.md", 1): r"LoRA weights (\d+), optimizer elements on this rank (\d+)",
     ("integrations.md", 2): r"32 micro-batches per rank, last loss ([\d.]+)",
+    ("lightning.md", 0): r"trained 8 steps, loss ([\d.]+), val_loss ([\d.]+); "
+    r"state_dict: 27 tensors",
 }
 """(guide, index of its python block) -> a pattern of the line the script prints (the guide
 shows that line). Each guide's first block; every block of integrations.md."""
-
-
-def script(guide: str, index: int) -> str:
-    blocks = BLOCK.findall((DOCS / guide).read_text())
-    assert len(blocks) > index, f"{guide} has {len(blocks)} python blocks"
-    return blocks[index]
 
 
 def run_script(text: str, folder: Path) -> str:
@@ -56,7 +50,7 @@ CHECKS = {
 
 @pytest.mark.parametrize("guide, index", sorted(SCRIPTS))
 def test_the_guides_scripts_run_as_written(tmp_path, guide, index):
-    printed = run_script(script(guide, index), tmp_path)
+    printed = run_script(guide_script(guide, index), tmp_path)
     pattern = SCRIPTS[guide, index]
     found = re.search(pattern, printed)
     assert found is not None, printed

@@ -6,13 +6,15 @@ ones, and the module is never wrapped."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import run_under_torchrun
+from helpers import guide_script, run_under_torchrun
 
 CASES = Path(__file__).resolve().parent / "lightning_cases.py"
 TOLERANCE = 1e-5
@@ -116,3 +118,16 @@ def test_groupshard_imports_without_lightning():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert "refused:" in result.stdout
+
+
+def test_the_guides_script_with_lightnings_own_launcher(tmp_path):
+    """``python script.py`` with ``devices=2``: Lightning starts the second process itself
+    (its subprocess launcher, as for DDP), and the run trains and checkpoints."""
+    (tmp_path / "script.py").write_text(guide_script("lightning.md", 0))
+    result = subprocess.run(
+        [sys.executable, "script.py"], cwd=tmp_path, capture_output=True, text=True,
+        timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-6000:]
+    assert re.search(r"trained 8 steps, loss [\d.]+", result.stdout), result.stdout
+    assert (tmp_path / "lightning-run" / "last" / "groupshard.json").is_file()
