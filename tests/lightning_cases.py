@@ -202,6 +202,21 @@ def fit_case(folder: str) -> dict[str, Any]:
     }
 
 
+def clip_value_case(folder: str) -> dict[str, Any]:
+    """gradient_clip_algorithm='value' (elementwise) equals strategy='ddp'."""
+    options = {"gradient_clip_algorithm": "value", "gradient_clip_val": 0.002}
+    reference = LanguageModel()
+    trainer(folder, "ddp", **options).fit(reference, loader())
+    module = LanguageModel()
+    trainer(folder, GroupShardStrategy(unit=Block), **options).fit(module, loader())
+    unclipped = LanguageModel()
+    trainer(folder, "ddp", gradient_clip_val=None).fit(unclipped, loader())
+    return {
+        "difference": difference(weights(module), weights(reference)),
+        "clipping_changed_it": difference(weights(reference), weights(unclipped)),
+    }
+
+
 def resume_case(folder: str) -> dict[str, Any]:
     """Two epochs in one run equal one epoch, save_checkpoint, and a fit resumed from it
     (shuffled data: the sampler's epoch; the step schedule; Lightning's loops); and a run
@@ -335,6 +350,7 @@ def refusals_case(folder: str) -> dict[str, Any]:
 
 CASES = {
     "fit": fit_case,
+    "clip_value": clip_value_case,
     "resume": resume_case,
     "bf16": bf16_case,
     "fp16": fp16_case,

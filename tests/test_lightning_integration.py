@@ -50,6 +50,12 @@ def test_unchanged_module_equals_ddp_with_accumulation_and_clipping(results):
     assert result["keys_equal"]  # state_dict(): the full weights under the original keys
 
 
+def test_clipping_by_value_equals_ddp(results):
+    result = case(results, "clip_value")
+    assert result["difference"] < TOLERANCE
+    assert result["clipping_changed_it"] > 1e-3  # the clipping did act
+
+
 def test_resume_from_save_checkpoint_equals_the_whole_run(results):
     result = case(results, "resume")
     assert result["difference"] == 0.0
