@@ -335,8 +335,11 @@ def check_same_structure(
     doing: str = "shard the model",
     remedy: str = "the same param groups, unit, strategy and options of gs.shard",
 ) -> None:
-    """Fail on every rank, naming the first difference, if ranks sharded differently."""
-    signatures = comm.gather_objects(signature, ranks)
+    """Fail on every rank, naming the first difference, if ranks sharded differently (one
+    all-reduce of a digest; the signatures are gathered only when they differ)."""
+    signatures = comm.gather_if_different(signature, ranks)
+    if signatures is None:
+        return
     for rank, other in enumerate(signatures):
         if other == signatures[0]:
             continue

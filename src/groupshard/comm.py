@@ -16,7 +16,9 @@ keeps them referenced until the wait.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import pickle
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -280,8 +282,56 @@ def broadcast_object(value: Any, ranks: Ranks, src_rank: int = 0) -> Any:
     return shared[0]
 
 
+def object_device(ranks: Ranks) -> torch.device:
+    """Where a small tensor of agreement goes: the current GPU for NCCL, else the CPU."""
+    if ranks.backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def digest(value: Any) -> int:
+    """A 62-bit digest of plain data (numbers, strings, dtypes, classes, and lists,
+    tuples, dicts and sets of them): equal values give equal digests in every process
+    (sets are ordered first: string hashing differs between processes)."""
+    encoded = pickle.dumps(_canonical(value), protocol=4)
+    return int.from_bytes(hashlib.blake2b(encoded, digest_size=8).digest(), "little") >> 2
+
+
+def _canonical(value: Any) -> Any:
+    if isinstance(value, (set, frozenset)):
+        return ("set", sorted((_canonical(v) for v in value), key=repr))
+    if isinstance(value, dict):
+        return ("dict", [(_canonical(k), _canonical(v)) for k, v in value.items()])
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, [_canonical(v) for v in value])
+    return value
+
+
+def same_everywhere(value: Any, ranks: Ranks) -> bool:
+    """Whether every rank passed a value equal to this rank's: one all-reduce of two
+    64-bit numbers (the largest digest and the largest of their complements), whatever the
+    world size; the same answer on every rank."""
+    if ranks.is_local:
+        return True
+    mine = digest(value)
+    extremes = torch.tensor([mine, ~mine], dtype=torch.int64, device=object_device(ranks))
+    all_reduce_max(extremes, ranks)
+    return int(extremes[0]) == ~int(extremes[1])
+
+
+def gather_if_different(value: Any, ranks: Ranks) -> list[Any] | None:
+    """None when every rank's ``value`` is equal (``same_everywhere``: O(1) bytes per
+    rank); else every rank's value, in rank order, gathered only then so that an error can
+    name the rank and the difference."""
+    if same_everywhere(value, ranks):
+        return None
+    return gather_objects(value, ranks)
+
+
 def gather_objects(value: Any, ranks: Ranks) -> list[Any]:
-    """Every rank's ``value`` (picklable), in rank order, on every rank."""
+    """Every rank's ``value`` (picklable), in rank order, on every rank: O(world) bytes and
+    unpickling per rank, so only where every value is needed (a full state dict) or after
+    ``same_everywhere`` found a difference."""
     if ranks.is_local:
         return [value]
     gathered: list[Any] = [None] * ranks.size
@@ -298,16 +348,24 @@ def raise_if_any_failed(
     message as ``others_raise`` if given, else with the same type (ValueError or
     TypeError, else RuntimeError).
     """
-    summary = None if error is None else (type(error).__name__, str(error))
-    failures = [(r, s) for r, s in enumerate(gather_objects(summary, ranks)) if s is not None]
+    # the first failing rank (the largest negated rank; -size when none failed), then
+    # its message from it: O(1) bytes per rank whatever the world size
+    first = torch.tensor(
+        [-ranks.rank if error is not None else -ranks.size],
+        dtype=torch.int64, device=object_device(ranks),
+    )  # fmt: skip
+    all_reduce_max(first, ranks)
+    failed_rank = -int(first)
+    if failed_rank < ranks.size:  # every rank takes part, the failed ones too
+        mine = (type(error).__name__, str(error)) if ranks.rank == failed_rank else None
+        type_name, message = broadcast_object(mine, ranks, src_rank=failed_rank)
     if error is not None:
         raise error
-    if failures:
-        rank, (type_name, message) = failures[0]
+    if failed_rank < ranks.size:
         error_type = others_raise or {"ValueError": ValueError, "TypeError": TypeError}.get(
             type_name, RuntimeError
         )
-        raise error_type(f"rank {rank} failed: {message}")
+        raise error_type(f"rank {failed_rank} failed: {message}")
 
 
 def all_to_all(

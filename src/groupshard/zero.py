@@ -31,6 +31,7 @@ from groupshard import comm, flatten
 from groupshard.flatten import plain_optimizer_state
 from groupshard.gradients import preserve_segments
 from groupshard.layout import Segment, build_flat_buffer
+from groupshard.materialize import same_on_every_rank
 from groupshard.optim.common import evaluate_closure
 from groupshard.segments import ShardSegments, attach_segments
 
@@ -449,7 +450,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
     def _check_same_groups_on_every_rank(self) -> None:
         """Fail on every rank, naming the first difference, if ranks passed different
         param groups (collective; at construction and in ``add_param_group`` only)."""
-        signatures = comm.gather_objects(self._groups_signature(), self.ranks)
+        signatures = comm.gather_if_different(self._groups_signature(), self.ranks)
+        if signatures is None:
+            return
         ours = signatures[0]
         for rank, theirs in enumerate(signatures):
             if theirs != ours:
@@ -464,6 +467,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         averaged, so replicas must match): fail on every rank naming the first parameter
         that differs. One collective, at the first step (and after add_param_group)."""
         params = [p for group in self.param_groups for p in group["params"]]
+        if same_on_every_rank([p.detach() for p in params], self.ranks):  # bit for bit
+            self._replicas_checked = True
+            return
         fingerprints = torch.stack(
             [torch.stack([p.detach().double().sum(), p.detach().double().norm()]) for p in params]
         ).tolist()

@@ -219,7 +219,7 @@ def _on_rank_0(function: Any, ranks: comm.Ranks, *args: Any) -> BaseException | 
         except Exception as error:
             failure, found = error, folders.os_error_in(error)
             copy = RuntimeError(reader.short(error)) if found is None else OSError(*found.args)
-    shared = comm.gather_objects(copy, ranks)[0]
+    shared = comm.broadcast_object(copy, ranks)
     return failure if ranks.rank == 0 else shared
 
 
@@ -243,7 +243,7 @@ def _save_error(
                 if isinstance(p, Piece)
             )
             space = (max(tensors, folders.size(path)), folders.free_bytes(path.parent))
-        needed, free = comm.gather_objects(space, ranks)[0]
+        needed, free = comm.broadcast_object(space, ranks)
         return NoSpaceError(str(path), needed, free)
     return RuntimeError(
         f"Saving the checkpoint {str(path)!r} failed on some rank; the previous "

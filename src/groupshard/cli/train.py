@@ -337,7 +337,7 @@ class Run:
         else:  # ZeRO: a plain checkpoint (full model, consolidated optimizer) on rank 0
             self.optimizer.consolidate_state_dict(to=0)
             space = self._save_zero(path, extra) if self.ranks.rank == 0 else None
-            space = comm.gather_objects(space, self.ranks)[0]  # rank 0's (needed, free) if full
+            space = comm.broadcast_object(space, self.ranks)  # rank 0's (needed, free) if full
             if space is not None:
                 raise gs.checkpoint.NoSpaceError(str(path), *space)
         return True

@@ -6,12 +6,12 @@ A cost by formula misses what the hardware adds: on a CPU, Adafactor's step over
 256 x 1024 one, and a 256-element vector costs 40 times its share (the per-tensor work
 of a step). Here each distinct (param group, shape, dtype) is stepped by a fresh
 instance of the optimizer class on a scratch tensor, a few times after warm-up; every
-rank times every one, and the median over the ranks is every rank's cost, so the owners
-are the same everywhere. Two small collectives per process group (failures, then the
-timings) at construction and at each ``add_param_group``; the scratch tensors and their
-state live one at a time. Only steps that all do the same work are timed right: an
-optimizer with periodic work (SOAP's and Shampoo's preconditioner updates every few steps)
-is timed without it.
+rank times every one, and the mean over the ranks (one all-reduce) is every rank's cost,
+so the owners are the same everywhere. A few small collectives per process group
+(failures, a digest of the keys, the timings), none growing with the world size, at
+construction and at each ``add_param_group``; the scratch tensors and their state live
+one at a time. Only steps that all do the same work are timed right: an optimizer with
+periodic work (SOAP's and Shampoo's preconditioner updates every few steps) is timed without it.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def measured_costs(
     ranks: comm.Ranks,
     who: str,
 ) -> dict[Key, float]:
-    """``timer(key)`` of every key on every rank, the median over the ranks for each.
+    """``timer(key)`` of every key on every rank, the mean over the ranks for each.
 
     Collective; a rank whose timing fails, or whose keys differ from rank 0's (other
     parameters), makes every rank raise, naming it.
@@ -83,15 +83,15 @@ def measured_costs(
     except Exception as failure:  # e.g. the class refuses a shape: raise on every rank
         error = failure
     comm.raise_if_any_failed(error, ranks)
-    gathered = comm.gather_objects((list(keys), seconds), ranks)
-    for rank, (other, _) in enumerate(gathered):
-        if other != gathered[0][0]:
+    gathered = comm.gather_if_different(list(keys), ranks)
+    for rank, other in enumerate(gathered or []):
+        if other != gathered[0]:
             raise ValueError(
-                f"{who}: ranks hold different parameters to time: {gathered[0][0][:4]} on rank 0 "
+                f"{who}: ranks hold different parameters to time: {gathered[0][:4]} on rank 0 "
                 f"but {other[:4]} on rank {rank}; build the optimizer from the same param "
                 "groups on every rank (model.optimizer_groups())."
             )
-    return {
-        key: statistics.median(times[index] for _, times in gathered)
-        for index, key in enumerate(keys)
-    }
+    # the mean over the ranks, one all-reduce: the same costs on every rank
+    total = torch.tensor(seconds, dtype=torch.float64, device=comm.object_device(ranks))
+    comm.all_reduce_sum(total, ranks)
+    return {key: float(total[index]) / ranks.size for index, key in enumerate(keys)}

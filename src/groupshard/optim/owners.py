@@ -105,13 +105,28 @@ def _near(
     size = len(loads)
     target = slack * (sum(loads) + sum(costs)) / size
     owners = [0] * len(costs)
+    heap = [(load, rank) for rank, load in enumerate(loads)]  # (load, rank), stale allowed
+    heapq.heapify(heap)
     for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        holder = max(range(size), key=lambda r: (numels[index][r], -loads[r], -r))
-        least = min(range(size), key=lambda r: (loads[r], r))
+        held = _held_by(numels[index], size)
+        holder = max(held, key=lambda r: (numels[index][r], -loads[r], -r))
+        while heap[0][0] != loads[heap[0][1]]:  # an entry of a load since changed
+            heapq.heappop(heap)
+        least = heap[0][1]
         rank = holder if loads[holder] + costs[index] <= target else least
         owners[index] = rank
         loads[rank] += costs[index]
+        heapq.heappush(heap, (loads[rank], rank))
     return owners, loads
+
+
+def _held_by(numels: Sequence[int] | Spread, size: int) -> list[int]:
+    """The ranks holding some of an item (all ranks if none does)."""
+    if isinstance(numels, Spread):
+        held = [rank for rank, _ in numels.items()]
+    else:
+        held = [rank for rank in range(size) if numels[rank]]
+    return held or list(range(size))
 
 
 def assign_owners_near(
@@ -138,6 +153,36 @@ def assign_owners_near(
 
 
 @dataclass(frozen=True)
+class Spread:
+    """Elements of one parameter per rank: ranks ``first`` .. ``first + len(counts) - 1``
+    hold ``counts`` (a parameter is contiguous in its flat buffer, so the ranks holding it
+    are too); every other rank none. Its size is the ranks it touches, not the world."""
+
+    first: int
+    counts: tuple[int, ...]
+
+    def __getitem__(self, rank: int) -> int:
+        index = rank - self.first
+        return self.counts[index] if 0 <= index < len(self.counts) else 0
+
+    def items(self) -> list[tuple[int, int]]:
+        """``(rank, elements)`` of the ranks holding some, in rank order."""
+        return [(self.first + i, n) for i, n in enumerate(self.counts) if n]
+
+    @classmethod
+    def of_slot(cls, offset: int, numel: int, shard_numel: int) -> Spread:
+        """The spread of ``numel`` elements at ``offset`` of a buffer cut in shards of
+        ``shard_numel``."""
+        first, last = offset // shard_numel, (offset + numel - 1) // shard_numel
+        end = offset + numel
+        counts = tuple(
+            min(end, (rank + 1) * shard_numel) - max(offset, rank * shard_numel)
+            for rank in range(first, last + 1)
+        )
+        return cls(first, counts)
+
+
+@dataclass(frozen=True)
 class OwnedParam:
     """One original parameter held in sharded parameters, and where its pieces lie."""
 
@@ -147,12 +192,12 @@ class OwnedParam:
     shape: tuple[int, ...]
     cost: float
     owner: int
-    numels: tuple[int, ...]  # elements held by each rank
+    numels: Spread  # elements held by each rank
     local_start: int  # where this rank's piece starts in its shard
 
     @property
     def numel(self) -> int:
-        return sum(self.numels)
+        return sum(self.numels.counts)
 
 
 @dataclass(frozen=True)
@@ -207,17 +252,14 @@ class OwnerExchange:
                     f"{buffer.world_size} ranks (this is shard {segments.shard_rank}) but its "
                     f"process group has {size} ranks (this is rank {me})"
                 )
-            ranges = [buffer.shard_range(rank) for rank in range(size)]
+            my_start = buffer.shard_range(me)[0]
             for slot in buffer.params:
                 shape = tuple(int(n) for n in slot.shape)
                 work = cost(group, shape)  # also where a subclass refuses a shape
                 if not slot.numel:
                     continue
-                numels = tuple(
-                    max(0, min(slot.offset + slot.numel, end) - max(slot.offset, start))
-                    for start, end in ranges
-                )
-                start = max(slot.offset, ranges[me][0]) - ranges[me][0]
+                numels = Spread.of_slot(slot.offset, slot.numel, buffer.shard_numel)
+                start = max(slot.offset, my_start) - my_start
                 found.append((slot.fqn, group, position, shape, work, numels, start))
         fixed = dict(owners or {})
         loads = [0.0] * size
@@ -231,53 +273,46 @@ class OwnerExchange:
             chosen = assign_owners([f[4] for f in free], size, loads)
         fixed.update(zip([f[0] for f in free], chosen, strict=True))
         self.tensors = [OwnedParam(*f[:5], fixed[f[0]], *f[5:]) for f in found]
+        self._send_starts: list[int] | None = None
+        self._send_flags: torch.Tensor | None = None
         self._plan_buffers()
         self._flag_index: torch.Tensor | None = None
         self.checked = False
 
     def _plan_buffers(self) -> None:
         """The buffers' layout. A tensor its owner holds whole ("solo" there) travels not
-        at all: only the others' pieces are in the buffers."""
+        at all: only the others' pieces are in the buffers. Work in the pieces, not in
+        the world size, but for the split sizes all_to_all takes (one per rank)."""
         size, me = self.ranks.size, self.ranks.rank
         moved = [t.numels[t.owner] != t.numel for t in self.tensors]
-        self.sends_to = [  # per destination, the tensors whose piece this rank sends it
-            [
-                index
-                for index, t in enumerate(self.tensors)
-                if t.owner == rank and t.numels[me] and moved[index]
-            ]
-            for rank in range(size)
-        ]
-        self.send_order = [index for indices in self.sends_to for index in indices]
-        self.send_splits = [
-            sum(
-                t.numels[me] for t, m in zip(self.tensors, moved, strict=True) if m and t.owner == r
-            )
-            for r in range(size)
-        ]
+        # per destination, the tensors whose piece this rank sends it (sparse: by owner)
+        self.sends_to: dict[int, list[int]] = {}
+        self.send_splits = [0] * size
+        for index, t in enumerate(self.tensors):
+            if t.numels[me] and moved[index]:
+                self.sends_to.setdefault(t.owner, []).append(index)
+                self.send_splits[t.owner] += t.numels[me]
+        self.send_order = [i for rank in sorted(self.sends_to) for i in self.sends_to[rank]]
         self.owned = [index for index, t in enumerate(self.tensors) if t.owner == me]
         self.solo = {index for index in self.owned if not moved[index]}
-        self.recv_splits = [
-            sum(self.tensors[i].numels[rank] for i in self.owned if moved[i])
-            for rank in range(size)
-        ]
         # per owned tensor, its pieces: (source rank, offset in that source's chunk, numel)
-        # where each source's chunk of pieces starts in the received buffer, unflagged and
-        # flagged (one element ahead of each chunk)
+        self.recv_splits = [0] * size
+        self.recv_places: list[list[tuple[int, int, int]]] = []
+        for index in self.owned:
+            places = []
+            if moved[index]:
+                for rank, numel in self.tensors[index].numels.items():
+                    places.append((rank, self.recv_splits[rank], numel))
+                    self.recv_splits[rank] += numel
+            self.recv_places.append(places)
+        # where each source's chunk starts in the received buffer, unflagged and flagged
+        # (one element ahead of each chunk)
         self.received_starts: dict[bool, list[int]] = {False: [], True: []}
         offset = 0
         for rank, split in enumerate(self.recv_splits):
             self.received_starts[False].append(offset)
             self.received_starts[True].append(offset + rank + 1)
             offset += split
-        self.recv_places: list[list[tuple[int, int, int]]] = [[] for _ in self.owned]
-        for rank in range(size):
-            offset = 0
-            for places, index in zip(self.recv_places, self.owned, strict=True):
-                numel = self.tensors[index].numels[rank]
-                if numel and moved[index]:
-                    places.append((rank, offset, numel))
-                    offset += numel
 
     # --- the layout --------------------------------------------------------------------
 
@@ -301,23 +336,40 @@ class OwnerExchange:
         """
         device = self.params[0].device
         me = self.ranks.rank
-        header = [] if flag is None else [torch.full((1,), flag, dtype=dtype, device=device)]
-        sources: list[torch.Tensor] = []
-        for indices in self.sends_to:
-            sources.extend(header)
+        flagged = flag is not None
+        send = torch.empty(
+            sum(self.send_splits) + int(flagged) * self.ranks.size, dtype=dtype, device=device
+        )
+        if flagged:  # one element ahead of each destination's chunk, every rank's too
+            send[self._send_flag_index(device)] = flag
+        offset = 0
+        for rank, indices in sorted(self.sends_to.items()):
+            offset = self._send_start(rank, flagged)
             for index in indices:
+                numel = self.tensors[index].numels[me]
                 flat = flats[self.tensors[index].param]
                 if flat is None:
-                    numel = self.tensors[index].numels[me]
-                    sources.append(torch.zeros(numel, dtype=dtype, device=device))
+                    send[offset : offset + numel].zero_()
                 else:
-                    sources.append(self.local_piece(flat, index))
-        send = torch.empty(
-            sum(self.send_splits) + len(header) * self.ranks.size, dtype=dtype, device=device
-        )
-        if sources:
-            torch.cat(sources, out=send)  # casts to ``dtype``
+                    send[offset : offset + numel].copy_(self.local_piece(flat, index))
+                offset += numel
         return send
+
+    def _send_start(self, rank: int, flagged: bool) -> int:
+        """Where destination ``rank``'s pieces start in the buffer to the owners."""
+        if self._send_starts is None:
+            starts, offset = [], 0
+            for split in self.send_splits:
+                starts.append(offset)
+                offset += split
+            self._send_starts = starts
+        return self._send_starts[rank] + (rank + 1 if flagged else 0)
+
+    def _send_flag_index(self, device: torch.device) -> torch.Tensor:
+        if self._send_flags is None or self._send_flags.device != device:
+            places = [self._send_start(rank, True) - 1 for rank in range(self.ranks.size)]
+            self._send_flags = torch.tensor(places, device=device)  # once, not per step
+        return self._send_flags
 
     def to_owners(
         self, send: torch.Tensor, flagged: bool = False
@@ -394,8 +446,10 @@ class OwnerExchange:
         """One collective: every rank must exchange the same parameters (else the
         all-to-all would mismatch) and agree on ``extra``; fails on every rank, naming
         the first difference."""
-        signatures = comm.gather_objects((extra, self.signature()), self.ranks)
+        signatures = comm.gather_if_different((extra, self.signature()), self.ranks)
         self.checked = True
+        if signatures is None:
+            return
         raise_if_options_differ(who, [other_extra for other_extra, _ in signatures])
         ours = signatures[0][1]
         for rank, (_, other) in enumerate(signatures):

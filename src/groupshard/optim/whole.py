@@ -371,9 +371,9 @@ class WholeParamOptimizer(torch.optim.Optimizer):
                     continue
                 if id(segments.ranks.group) not in checked:
                     checked.add(id(segments.ranks.group))
-                    raise_if_options_differ(
-                        WHO, comm.gather_objects(self._signature(), segments.ranks)
-                    )
+                    signatures = comm.gather_if_different(self._signature(), segments.ranks)
+                    if signatures is not None:
+                        raise_if_options_differ(WHO, signatures)
         self._checked = True
 
     def _keep_group_state(self) -> None:
