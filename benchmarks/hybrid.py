@@ -53,10 +53,10 @@ FACTORS = {"all_gather": (1.0, 0), "reduce_scatter_mean": (1.0, 1), "all_reduce_
            "all_reduce_sum": (2.0, 0), "all_reduce_max": (2.0, 0)}  # fmt: skip
 """Per comm function: bytes sent per byte of its buffer x (N-1)/N, and the buffer's index."""
 NODE = {"gpus": 8, "within_gb_s": 400.0, "across_gb_s": 50.0}
-NODE_COUNTS = (2, 16)
+NODE_COUNTS = (2, 16, 128)
 
 
-def _counting(sent: Counter[str], groups: dict[int, str]) -> dict[str, Any]:
+def _counting(sent: Counter[str], groups: dict[int, str], world: int = WORLD) -> dict[str, Any]:
     def counting(name: str) -> Any:
         original = getattr(comm, name)
         factor, which = FACTORS[name]
@@ -65,7 +65,7 @@ def _counting(sent: Counter[str], groups: dict[int, str]) -> dict[str, Any]:
             ranks = next(a for a in (*args, *kwargs.values()) if isinstance(a, comm.Ranks))
             if not ranks.is_local:
                 tensor = args[which]
-                kind = "world" if ranks.size == WORLD else groups[id(ranks.group)]
+                kind = "world" if ranks.size == world else groups[id(ranks.group)]
                 sent[f"{kind} {name}"] += (
                     factor * tensor.numel() * tensor.element_size() * (ranks.size - 1) / ranks.size
                 )

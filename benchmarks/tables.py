@@ -626,8 +626,43 @@ def trainer_table(reports: list[Report]) -> Lines:
     return markdown(header, rows)
 
 
+def scale_table(reports: list[Report]) -> Lines:
+    """``benchmarks/scale.py``: rank 0 of a simulated world per model and layout: seconds of
+    each part, the peak RSS of ``gs.shard`` above its start, the bytes this rank sends in
+    an AdamW step against the layout's formula, and FSDP2's ``fully_shard`` beside."""
+    report = one(reports, "scale")
+    header = ["model", "layout", "gs.shard s", "shard peak MiB", "AdamW step s", "Muon s",
+              "WholeParam s", "regroup s", "save plan s", "sent MB / formula",
+              "FSDP2 s", "FSDP2 peak MiB"]  # fmt: skip
+
+    def seconds(part: Row, *names: str) -> str:
+        if not part or any(f"{name}_s" not in part for name in names):
+            return DASH if not part.get("error") else "error"
+        return f"{sum(part[f'{name}_s'] for name in names):.2f}"
+
+    rows = []
+    for row in report["rows"]:
+        shard, fsdp2 = row.get("shard", {}), row.get("fsdp2", {})
+        layout = f"{row['world']:,}" if row["replicas"] == 1 else (
+            f"{row['replicas']:,} x {row['shard_size']} ({row['world']:,})")  # fmt: skip
+        sent = DASH
+        if "sent_bytes" in shard:
+            total = sum(shard["sent_bytes"].values())
+            sent = f"{total / 1e6:.1f} / {shard['formula_bytes'] / 1e6:.1f}"
+        rows.append([
+            row["model"], layout, seconds(shard, "shard"), fmt(shard.get("shard_peak_mib"), ".0f"),
+            seconds(shard, "adamw_step"),
+            seconds(row.get("muon", {}), "construction", "first_step"),
+            seconds(row.get("whole", {}), "construction", "first_step"),
+            seconds(shard, "regroup"), seconds(shard, "save_plan"), sent,
+            seconds(fsdp2, "shard"), fmt(fsdp2.get("shard_peak_mib"), ".0f"),
+        ])  # fmt: skip
+    return markdown(header, rows)
+
+
 KINDS: dict[str, Callable[[list[Report]], Lines]] = {
     "trainer": trainer_table,
+    "scale": scale_table,
     "regroup": regroup_table,
     "checkpoint": checkpoint_table,
     "whole-param": whole_param_table,
