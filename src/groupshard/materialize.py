@@ -115,13 +115,14 @@ def checksum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
     Integer sums are exact whatever the reduction order, and one pass over the memory
     costs far less than initializing it (a float sum would round differently with the
-    thread count). Any single changed word changes the plain sum; it is a checksum to
+    thread count). Any single changed word changes the plain sum, and two tensors that
+    trade places (with different sums) change the weighted one; it is a checksum to
     catch ranks that initialized differently, not a cryptographic hash.
     """
     device = tensors[0].device if tensors else None
     total = torch.zeros(2, dtype=torch.int64, device=device)
     weights = torch.arange(1, CHECKSUM_CHUNKS + 1, dtype=torch.int64, device=device)
-    for tensor in tensors:
+    for position, tensor in enumerate(tensors):
         raw = tensor.detach().reshape(-1).view(torch.uint8)
         if raw.storage_offset() % 8:
             raw = raw.clone()  # 64-bit words need 8-byte alignment
@@ -130,8 +131,10 @@ def checksum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         chunked = words.numel() // CHECKSUM_CHUNKS * CHECKSUM_CHUNKS
         chunks = words[:chunked].view(CHECKSUM_CHUNKS, chunked // CHECKSUM_CHUNKS).sum(1)
         rest = words[chunked:].sum() + raw[whole:].to(torch.int64).sum()
-        total[0] += chunks.sum() + rest
-        total[1] += (chunks * weights).sum() + rest * (CHECKSUM_CHUNKS + 1)
+        plain = chunks.sum() + rest
+        total[0] += plain
+        # the tensor's place in the list counts too: swapped tensors are a difference
+        total[1] += (chunks * weights).sum() + rest * (CHECKSUM_CHUNKS + 1) + plain * position
     return total
 
 
