@@ -74,6 +74,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import datetime
+import faulthandler
 import gc
 import json
 import os
@@ -91,6 +92,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+
+# imported before any process group exists: torch modules first imported after
+# init_process_group can keep the default group alive into interpreter shutdown, where a
+# gloo thread aborts the rank ("terminate called without an active exception"; see
+# docs/when-something-fails.md)
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import distribute_tensor
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import groupshard as gs
 from groupshard.cli.model import GPT, Block, GPTConfig
@@ -229,8 +238,6 @@ def init_full(model: GPT) -> None:
 def init_fsdp2(model: GPT) -> None:
     """After ``fully_shard`` and ``to_empty``: each module's full parameters drawn in a
     temporary (groupshard's rule), each rank keeping its DTensor piece."""
-    from torch.distributed.tensor import distribute_tensor
-
     for name, module in _modules_to_initialize(model):
         sharded = {k: p for k, p in module._parameters.items() if p is not None}
         full = {k: nn.Parameter(torch.empty(p.shape, dtype=p.dtype)) for k, p in sharded.items()}
@@ -263,8 +270,6 @@ def build_groupshard(config: GPTConfig) -> tuple[Any, Any]:
 
 
 def build_fsdp2(config: GPTConfig) -> tuple[Any, Any]:
-    from torch.distributed.fsdp import fully_shard
-
     model = meta_gpt(config)
     for block in model.blocks:
         fully_shard(block)
@@ -276,8 +281,6 @@ def build_fsdp2(config: GPTConfig) -> tuple[Any, Any]:
 
 
 def build_ddp(config: GPTConfig) -> tuple[Any, Any]:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     model = meta_gpt(config)
     init_full(model)
     return DDP(model, gradient_as_bucket_view=True), torch.optim.AdamW(_groups(model), lr=LR)
@@ -363,6 +366,7 @@ def _die_with_parent() -> None:
 
 def _worker(rank: int, args: argparse.Namespace, system: str, store: str, result: str) -> None:
     _die_with_parent()
+    faulthandler.enable(all_threads=True)  # an abort or a hang shows every thread's stack
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(args.world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", DS_ACCELERATOR="cpu")  # fmt: skip
     torch.set_num_threads(1)
