@@ -19,9 +19,22 @@ SCRIPTS = {
     ("integrations.md", 2): r"32 micro-batches per rank, last loss ([\d.]+)",
     ("lightning.md", 0): r"trained 8 steps, loss ([\d.]+), val_loss ([\d.]+); "
     r"state_dict: 27 tensors",
+    ("bigger-than-a-rank.md", 0): r"rank 0 holds (\d+) of (\d+) parameters; "
+    r"reloaded from model.safetensors: identical",
+    ("hybrid-sharding.md", 0): r"mesh \(1, 2\) \('replicate', 'shard'\): 10 steps, loss ([\d.]+)",
+    ("layerwise-optimizers-and-muon.md", 0): r"LAMB: 10 steps, loss ([\d.]+); 0.linear.weight "
+    r"norm ([\d.]+), its gradient ([\d.]+); 9 layers reported",
+    ("mixed-precision-and-accumulation.md", 0): r"bf16, 4 micro-batches a step: 10 steps, "
+    r"last micro-batch loss ([\d.]+), gradient norm ([\d.]+)",
+    ("regroup.md", 0): r"10 steps, the backbone unfrozen at step 5: loss ([\d.]+), "
+    r"learning rates 1.50e-03, 5.00e-05",
+    ("whole-param-optimizers.md", 0): r"Adafactor: 10 steps, loss ([\d.]+); rank 0 steps "
+    r"(\d+) of 18 whole parameters",
+    ("zero.md", 0): r"loss ([\d.]+); rank 0 holds (\d+) of (\d+) elements of AdamW state",
 }
 """(guide, index of its python block) -> a pattern of the line the script prints (the guide
 shows that line). Each guide's first block; every block of integrations.md."""
+GUIDES_WITHOUT_CODE = {"muon-design.md", "overlap.md", "usage.md", "when-something-fails.md"}
 
 
 def run_script(text: str, folder: Path) -> str:
@@ -41,8 +54,20 @@ def _state_for_a_shard_of_lora_only(lora: str, on_this_rank: str) -> bool:
     return int(lora) // 2 <= int(on_this_rank) < int(lora) // 2 + 64
 
 
+def _about_half(held: str, total: str, *rest: str) -> bool:
+    """Rank 0 of 2 holds half of the elements (plus its share of the padding)."""
+    return int(total) // 2 <= int(held) <= int(total) // 2 + 64
+
+
+def _some_but_not_all(loss: str, owned: str) -> bool:
+    return 0 < int(owned) < 18
+
+
 # what the printed numbers must show, beside being printed
 CHECKS = {
+    ("bigger-than-a-rank.md", 0): _about_half,
+    ("zero.md", 0): lambda loss, held, total: _about_half(held, total),
+    ("whole-param-optimizers.md", 0): _some_but_not_all,
     ("checkpoints.md", 0): _crossed_equals_alone,
     ("integrations.md", 1): _state_for_a_shard_of_lora_only,
 }
@@ -58,3 +83,12 @@ def test_the_guides_scripts_run_as_written(tmp_path, guide, index):
     assert re.search(pattern, (DOCS / guide).read_text()) is not None
     if (guide, index) in CHECKS:
         assert CHECKS[guide, index](*found.groups()), found.group(0)
+
+
+def test_every_guide_with_code_opens_with_a_script_run_here():
+    """Each guide in docs/ that shows Python code has its first block in SCRIPTS."""
+    for guide in sorted(p.name for p in DOCS.glob("*.md")):
+        if guide in GUIDES_WITHOUT_CODE:
+            assert "```python" not in (DOCS / guide).read_text(), guide
+        else:
+            assert (guide, 0) in SCRIPTS, guide

@@ -41,6 +41,9 @@ def test_use_snippet_runs_under_torchrun_and_ranks_agree(tmp_path):
         timeout=120,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
+    printed = r"20 steps, final loss \d+\.\d{4}"
+    assert re.fullmatch(printed + "\n", result.stdout), result.stdout  # rank 0's line alone
+    assert re.search(f"`{printed}`", README.read_text())  # the README shows what it prints
     first, second = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
     assert "0.linear.weight" in first and first.keys() == second.keys()
     for name in first:

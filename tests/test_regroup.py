@@ -169,7 +169,7 @@ def test_regroup_refuses_gradients_held_for_the_all_reduce_across_replicas(run_r
     """After a backward with set_requires_all_reduce(False) the shards' gradients wait on
     each rank for the all-reduce across replicas; re-laying out would drop them."""
     for message in run_ranks(4, _held_gradients_case, timeout=240):
-        assert "gs.regroup with gradients in units" in message, message
+        assert "gradient accumulation is in progress" in message, message
 
 
 def _held_gradients_case(rank: int, world_size: int) -> str:
@@ -464,3 +464,148 @@ def test_regroup_zero_redundancy_optimizer(run_ranks) -> None:
     """gs.regroup rebuilds gs.ZeroRedundancyOptimizer's buckets (small ones, so moved
     parameters change buckets) and carries each parameter's state."""
     assert run_ranks(2, _zero_case, timeout=120)[0] < 1e-5
+
+
+# --- the most common loop (zero_grad first) and LR schedulers across a regroup ---------
+
+SCHEDULERS: dict[str, Callable[[torch.optim.Optimizer], Any]] = {
+    "LambdaLR": lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1.0 / (1 + step)),
+    "StepLR": lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5),
+    "CosineAnnealingLR": lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(
+        o, T_max=STEPS, eta_min=1e-4
+    ),
+    "LinearLR": lambda o: torch.optim.lr_scheduler.LinearLR(o, start_factor=0.25, total_iters=4),
+    "OneCycleLR": lambda o: torch.optim.lr_scheduler.OneCycleLR(
+        o, max_lr=[3e-3, 1e-3], total_steps=STEPS
+    ),
+    "SequentialLR": lambda o: torch.optim.lr_scheduler.SequentialLR(
+        o,
+        [
+            torch.optim.lr_scheduler.LinearLR(o, start_factor=0.25, total_iters=2),
+            torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.8),
+        ],
+        milestones=[2],
+    ),
+}
+
+
+def _extend_as_torch_users_do(scheduler: Any, group: dict[str, Any]) -> None:
+    """torch's idiom after ``add_param_group``: the new group as if it had been there from
+    the start (OneCycleLR: its keys from its peak ``lr``, with the default factors)."""
+    inner = getattr(scheduler, "_schedulers", [])
+    if isinstance(scheduler, torch.optim.lr_scheduler.OneCycleLR):
+        peak = group["lr"]
+        group.update(max_lr=peak, initial_lr=peak / 25, min_lr=peak / 25 / 1e4,
+                     max_momentum=0.95, base_momentum=0.85)  # fmt: skip
+    group.setdefault("initial_lr", group["lr"])
+    for each in [scheduler, *inner]:  # SequentialLR keeps no base_lrs of its own
+        if hasattr(each, "base_lrs"):
+            each.base_lrs.append(group["initial_lr"])
+        each._last_lr.append(group["lr"])
+        if hasattr(each, "lr_lambdas"):
+            each.lr_lambdas.append(each.lr_lambdas[0])
+
+
+def _scheduled_case(rank: int, world_size: int) -> dict[str, tuple[float, float]]:
+    """Per scheduler: the loop ``zero_grad(); backward(); step(); scheduler.step()``, with
+    gs.regroup right after a step (no zero_grad) unfreezing blocks.1 into a new group, then
+    freezing blocks.0, against one process doing the same with torch's idiom: the largest
+    weight difference and the largest relative learning-rate difference over the steps."""
+    results = {}
+    for kind, make_scheduler in SCHEDULERS.items():
+        model = _model()
+        reference = copy.deepcopy(model)
+        names = [n for n, _ in reference.named_parameters()]
+        start = _phase_groups(names, 0)
+        sharded = gs.shard(model, _as_dicts(start, model), unit=Block)
+        opt = torch.optim.AdamW(sharded.optimizer_groups(), lr=3e-3)
+        reference_opt = torch.optim.AdamW(_as_dicts(start, reference), lr=3e-3)
+        scheduler, reference_scheduler = make_scheduler(opt), make_scheduler(reference_opt)
+        unfrozen = _phase_groups(names, 1)
+        block_0 = set(_names(reference, "blocks.0."))
+        worst_weight = worst_lr = 0.0
+        for step, (inputs, targets) in enumerate(global_batches(STEPS, world_size)):
+            if step == UNFREEZE_AT:  # right after the last step: its gradients are consumed
+                gs.regroup(sharded, opt, _as_dicts(unfrozen, sharded), schedulers=[scheduler])
+                _torch_idiom(reference, reference_opt, names, 1)
+                _extend_as_torch_users_do(reference_scheduler, reference_opt.param_groups[-1])
+            if step == FREEZE_AT:  # the groups keep their places, blocks.0 leaves them
+                kept = [([n for n in g if n not in block_0], o) for g, o in unfrozen]
+                gs.regroup(sharded, opt, _as_dicts(kept, sharded), schedulers=[scheduler])
+                _torch_idiom(reference, reference_opt, names, 3)
+            local = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
+            for o in (opt, reference_opt):
+                o.zero_grad()
+            sharded(inputs[local], targets[local]).backward()
+            reference(inputs, targets).backward()
+            for o, s in ((opt, scheduler), (reference_opt, reference_scheduler)):
+                o.step()
+                s.step()
+            lrs = [g["lr"] for g in opt.param_groups]
+            expected = [g["lr"] for g in reference_opt.param_groups]
+            assert len(lrs) == len(expected), (kind, step, lrs, expected)
+            worst_lr = max(worst_lr, *(abs(a - b) / b for a, b in zip(lrs, expected, strict=True)))
+            difference = max_difference(gs.full_state_dict(sharded), reference.state_dict())
+            worst_weight = max(worst_weight, difference)
+        results[kind] = (worst_weight, worst_lr)
+    return results
+
+
+def test_regroup_after_step_carries_lr_schedulers(run_ranks) -> None:
+    """gs.regroup right after optimizer.step() (the gradients it consumed are dropped, as
+    zero_grad would) with schedulers=[...]: LambdaLR, StepLR, CosineAnnealingLR, LinearLR,
+    OneCycleLR and SequentialLR go on over the new group as after torch's add_param_group
+    with the scheduler's lists extended by hand; weights and learning rates equal."""
+    results = run_ranks(2, _scheduled_case, timeout=240)[0]
+    assert sorted(results) == sorted(SCHEDULERS)
+    for kind, (weight, lr) in results.items():
+        assert weight < 1e-5 and lr < 1e-12, (kind, weight, lr)
+
+
+def _refusals_case(rank: int, world_size: int) -> list[str]:
+    """What gs.regroup says, on every rank, where it cannot go on."""
+    model = _model()
+    names = [n for n, _ in model.named_parameters()]
+    sharded = gs.shard(model, _as_dicts(_phase_groups(names, 0), model), unit=Block)
+    opt = torch.optim.AdamW(sharded.optimizer_groups(), lr=3e-3)
+    scheduler = SCHEDULERS["LambdaLR"](opt)
+    (inputs, targets), *_ = global_batches(2, world_size)
+    local = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
+    unfrozen = _as_dicts(_phase_groups(names, 1), sharded)
+    messages = []
+
+    def refused(call: Callable[[], None]) -> str:
+        with pytest.raises(ValueError) as caught:
+            call()
+        return str(caught.value)
+
+    with sharded.no_sync():  # an accumulation in progress
+        sharded(inputs[local], targets[local]).backward()
+    messages.append(refused(lambda: gs.regroup(sharded, opt, unfrozen, schedulers=[scheduler])))
+    sharded(inputs[local], targets[local]).backward()  # synced, not yet stepped
+    messages.append(refused(lambda: gs.regroup(sharded, opt, unfrozen, schedulers=[scheduler])))
+    opt.step()
+    scheduler.step()
+    # a group added under a scheduler not passed: its next step() would fail
+    messages.append(refused(lambda: gs.regroup(sharded, opt, unfrozen)))
+    # a group split over two (the biases of group 1 moved): a scheduler cannot follow
+    split = _as_dicts(_phase_groups(names, 2), sharded)
+    messages.append(refused(lambda: gs.regroup(sharded, opt, split, schedulers=[scheduler])))
+    gs.regroup(sharded, opt, unfrozen, schedulers=[scheduler])  # nothing was half changed
+    sharded(inputs[local], targets[local]).backward()
+    opt.step()
+    scheduler.step()
+    assert len(scheduler.base_lrs) == len(opt.param_groups) == 3
+    return messages
+
+
+def test_regroup_refusals_say_what_to_do(run_ranks) -> None:
+    """Pending gradients (an accumulation, or a backward not yet stepped), a scheduler not
+    passed, and a split group: a ValueError on every rank that says what to do."""
+    results = run_ranks(2, _refusals_case, timeout=120)
+    assert results[0] == results[1]
+    accumulating, unstepped, not_passed, split = results[0]
+    assert "accumulation is in progress" in accumulating and "optimizer.step()" in accumulating
+    assert "optimizer.step()" in unstepped and "zero_grad" in unstepped
+    assert "schedulers=[scheduler]" in not_passed
+    assert "one learning rate per group" in split and "rebuild the scheduler" in split

@@ -46,6 +46,7 @@ from groupshard.writes import note_parameters_written
 
 SKIP_ATTR = "groupshard_skip"
 ORIGINAL_ATTR = "groupshard_original"  # on the user's parameters of a sharded model: the FQN
+STEPPED_ATTR = "groupshard_stepped"  # on a shard's gradient that an optimizer step consumed
 
 
 @dataclass(frozen=True)
@@ -268,6 +269,7 @@ class StorageGradients:
                 self.had_grad[index] = [False] * len(self.had_grad[index])  # start afresh
             else:
                 shard.grad.add_(piece)
+                setattr(shard.grad, STEPPED_ATTR, False)  # pending again: not yet stepped
 
     def add_used(self, used: Sequence[bool]) -> None:
         """Add a backward's used flags (combined over ranks) and mark, on each shard, the
@@ -355,7 +357,7 @@ def _refuse_unreduced_gradients(optimizer: torch.optim.Optimizer) -> None:
 # Keyed by id(shard): (id of the optimizer whose step holds it, function that restores it).
 # A wrapper (gs.optim.LARC) steps its inner optimizer inside its own step: the outer
 # step holds the shard, the inner one leaves it to the outer.
-_held: dict[int, tuple[int, Callable[[], None]]] = {}
+_held: dict[int, tuple[int, Callable[[bool], None]]] = {}
 _skipped_in_step: dict[int, SkippedSegments] = {}  # id(shard) -> its record, while held
 _optimizer_hooks: list[Any] = []
 
@@ -459,27 +461,42 @@ def _restorer(
     grad: torch.Tensor,
     during_step: torch.Tensor | None,
     keep: Callable[[], None] | None,
-) -> Callable[[], None]:
+) -> Callable[[bool], None]:
     """Write the kept pieces back and give the shard its gradient again, unless the shard
-    has another gradient by now (a step that raised, then a new backward)."""
+    has another gradient by now (a step that raised, then a new backward); ``stepped``:
+    the step finished, so the gradient is marked consumed (``was_stepped``)."""
 
-    def restore() -> None:
+    def restore(stepped: bool) -> None:
         if keep is not None:
             keep()
         if shard.grad is during_step:
             shard.grad = grad
+            setattr(grad, STEPPED_ATTR, stepped)
 
     return restore
 
 
-def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def _after_step(
+    optimizer: torch.optim.Optimizer, args: Any, kwargs: Any, stepped: bool = False
+) -> None:
+    """Settle this optimizer's holds: after its step (``stepped``), or a step that raised."""
     note_parameters_written()
     if not _held:
         return
     mine = [key for key, (owner, _) in _held.items() if owner == id(optimizer)]
     for key in mine:
         _skipped_in_step.pop(key, None)
-        _held.pop(key)[1]()
+        _held.pop(key)[1](stepped)
+
+
+def _after_finished_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    _after_step(optimizer, args, kwargs, stepped=True)
+
+
+def was_stepped(grad: torch.Tensor) -> bool:
+    """Whether an optimizer step has consumed this shard gradient since its last change
+    (what ``zero_grad`` would drop, and ``gs.regroup`` drops)."""
+    return bool(getattr(grad, STEPPED_ATTR, False))
 
 
 def without_grad_in_step(shard: torch.Tensor) -> tuple[int, ...]:
@@ -497,4 +514,4 @@ def register_optimizer_hooks() -> None:
     """Install the global optimizer-step hooks once per process."""
     if not _optimizer_hooks:
         _optimizer_hooks.append(register_optimizer_step_pre_hook(_before_step))
-        _optimizer_hooks.append(register_optimizer_step_post_hook(_after_step))
+        _optimizer_hooks.append(register_optimizer_step_post_hook(_after_finished_step))

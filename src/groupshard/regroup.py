@@ -22,20 +22,23 @@ from __future__ import annotations
 
 import copy
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 
 from groupshard import comm, flatten
 from groupshard.api import check_same_structure, plan_storages, structure_signature
 from groupshard.full_state import check_optimizer
+from groupshard.gradients import was_stepped
 from groupshard.groups import ParamGroups, ResolvedGroup, ResolvedGroups, list_group_members
 from groupshard.layout import FlatBufferLayout, StorageLayout
 from groupshard.optim.whole import WholeParamOptimizer
 from groupshard.runtime import TrainingState
+from groupshard.schedulers import SchedulerPlan, is_scheduled, match_groups, plan_schedulers
 from groupshard.sharding import ShardingState, register_shards, shard_attr_name, sharding_state
 from groupshard.storage import FlatStorage
 from groupshard.unit_runtime import UnitRuntime
@@ -62,6 +65,7 @@ def regroup(
     param_groups: ParamGroups,
     *,
     default_group: Mapping[str, Any] | None = None,
+    schedulers: Sequence[LRScheduler] | None = None,
 ) -> None:
     """Give a sharded model and its optimizer new param groups, between steps.
 
@@ -77,6 +81,11 @@ def regroup(
             (``requires_grad=False``, state dropped), unless ``default_group`` is given.
         default_group: hyperparameters of an extra last group collecting the parameters
             that are trainable now and that no group lists.
+        schedulers: the LR schedulers built on ``optimizer``, carried over the new groups
+            (``SequentialLR`` and ``ChainedScheduler`` with the ones inside): a group that
+            stays keeps its place in them and its scheduled learning rate; a new one starts
+            from its dict's ``lr``. Required, or ``[]``, when a scheduler steps the
+            optimizer and groups are added, removed or reordered.
 
     Every rank must pass the same groups (a ValueError on every rank otherwise). Call it
     between steps, after ``optimizer.zero_grad()``. Only the units whose layout changes
@@ -85,12 +94,19 @@ def regroup(
     means for LR schedulers.
     """
     if isinstance(optimizer, ZeroRedundancyOptimizer):
-        _regroup_zero(model, optimizer, param_groups, default_group)
+        _regroup_zero(model, optimizer, param_groups, default_group, schedulers)
         return
     state = sharding_state(model, "gs.regroup")
     error: BaseException | None = None
     try:
         groups, layouts, rebuilds = _plan(model, state, optimizer, param_groups, default_group)
+        carry = _plan_schedulers(
+            schedulers,
+            optimizer,
+            [frozenset(group.fqns) for group in state.groups.groups],
+            [frozenset(group.fqns) for group in groups.groups],
+            [dict(group.options) for group in groups.groups],
+        )
     except Exception as caught:  # every rank must hear of any failure
         error = caught
     comm.raise_if_any_failed(error, state.ranks)
@@ -104,6 +120,7 @@ def regroup(
         signature, state.ranks, "regroup the model", "the same param groups to gs.regroup"
     )
     state.runtime.reshard()
+    _drop_stepped_gradients(state)
     for rebuild in rebuilds:
         _rebuild_storage(state, optimizer, rebuild)
     trainable = {fqn for group in groups.groups for fqn in group.fqns}
@@ -111,6 +128,8 @@ def regroup(
         original.requires_grad_(fqn in trainable)
     state.groups = groups
     _rewrite_param_groups(state, optimizer)
+    if carry is not None:
+        carry.apply(optimizer.param_groups)
 
 
 def _plan(
@@ -154,6 +173,7 @@ def _regroup_zero(
     optimizer: ZeroRedundancyOptimizer,
     param_groups: ParamGroups,
     default_group: Mapping[str, Any] | None,
+    schedulers: Sequence[LRScheduler] | None,
 ) -> None:
     """``gs.ZeroRedundancyOptimizer`` over a plain (or DDP) model: the same rules, its
     buckets rebuilt (``ZeroRedundancyOptimizer.regroup``)."""
@@ -169,13 +189,49 @@ def _regroup_zero(
             rest = [p for n, p in named.items() if id(p) in stepped and n not in listed]
             if rest:
                 groups.append({"params": rest, **default_group})
+        names = {id(p): n for n, p in named.items()}
+        old_members = [frozenset(names[id(p)] for p in g["params"]) for g in optimizer.param_groups]
+        new = [frozenset(names[id(p)] for p in g["params"]) for g in groups]
+        options = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+        carry = _plan_schedulers(schedulers, optimizer, old_members, new, options)
     except Exception as caught:  # every rank must hear of any failure
         error = caught
     comm.raise_if_any_failed(error, optimizer.ranks)
     optimizer.regroup(groups)
+    if carry is not None:
+        carry.apply(optimizer.param_groups)
     trainable = {id(p) for group in groups for p in group["params"]}
     for param in named.values():
         param.requires_grad_(id(param) in trainable)
+
+
+def _plan_schedulers(
+    schedulers: Sequence[LRScheduler] | None,
+    optimizer: torch.optim.Optimizer,
+    old_members: list[frozenset[str]],
+    new_members: list[frozenset[str]],
+    new_options: list[dict[str, Any]],
+) -> SchedulerPlan | None:
+    """The schedulers' carry-over (None: none to carry). Without ``schedulers``, refuse a
+    change of group positions under a scheduler, which its next step() would trip on."""
+    if (not is_scheduled(optimizer) if schedulers is None else len(schedulers) == 0):
+        return None  # none, or the user rebuilds them
+    if len(optimizer.param_groups) != len(old_members):
+        raise ValueError(
+            f"The optimizer has {len(optimizer.param_groups)} param groups and the model "
+            f"{len(old_members)}: its LR schedulers cannot be carried over (build the "
+            "optimizer from model.optimizer_groups())"
+        )
+    if schedulers is None:
+        if match_groups(old_members, new_members) != list(range(len(old_members))):
+            raise ValueError(
+                "gs.regroup adds, removes or reorders param groups of an optimizer that an "
+                "LR scheduler steps, whose per-group lists would no longer fit: pass it, "
+                "gs.regroup(..., schedulers=[scheduler]), to carry it over, or "
+                "schedulers=[] if you rebuild it yourself."
+            )
+        return None
+    return plan_schedulers(schedulers, optimizer, old_members, new_members, new_options)
 
 
 def _check_between_steps(state: ShardingState) -> None:
@@ -185,18 +241,40 @@ def _check_between_steps(state: ShardingState) -> None:
             f"gs.regroup during {state.runtime.state.name.lower()} (or inside "
             "summon_full_params): call it between optimizer steps."
         )
-    with_grad = [
+    accumulating = sorted({
         storage.layout.unit_name or "<root>"
         for storage in state.storages
         if storage.gradients.holds_unreduced
-        or any(shard.grad is not None for shard in storage.trainable_shards)
-    ]
-    if with_grad:
+    })  # fmt: skip
+    if accumulating:
         raise ValueError(
-            f"gs.regroup with gradients in units {sorted(set(with_grad))}, which re-laying out "
-            "the flat buffers would drop: call it after optimizer.step() and "
-            "optimizer.zero_grad() (set_to_none=True), before the next backward."
+            f"gs.regroup while a gradient accumulation is in progress in units {accumulating} "
+            "(backwards under no_sync() or set_requires_gradient_sync(False), or not yet "
+            "all-reduced across replicas): their sums are not reduced yet, and re-laying out "
+            "the flat buffers would lose them. Finish the accumulation (a synced backward, "
+            "then optimizer.step()) and regroup before the next one."
         )
+    pending = sorted({
+        storage.layout.unit_name or "<root>"
+        for storage in state.storages
+        for shard in storage.trainable_shards
+        if shard.grad is not None and not was_stepped(shard.grad)
+    })  # fmt: skip
+    if pending:
+        raise ValueError(
+            f"gs.regroup with gradients in units {pending} that no optimizer step has used "
+            "yet, which re-laying out the flat buffers would drop: call optimizer.step() "
+            "first (gradients a step has used are dropped, as optimizer.zero_grad() would), "
+            "or optimizer.zero_grad() to drop them."
+        )
+
+
+def _drop_stepped_gradients(state: ShardingState) -> None:
+    """The gradients an optimizer step has consumed go, as ``zero_grad`` would drop them
+    (``_check_between_steps`` refused any other)."""
+    for storage in state.storages:
+        for shard in storage.trainable_shards:
+            shard.grad = None
 
 
 def _resolve(

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from groupshard.cli import MODEL_SIZES, OPTIMIZERS, PRECISIONS
+from groupshard.cli import DEFAULT_LRS, MODEL_SIZES, OPTIMIZERS, PRECISIONS
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -117,8 +117,9 @@ def _parser() -> argparse.ArgumentParser:
         "it whole on every rank first (the default, and the only choice, with --zero)",
     )  # fmt: skip
     train.add_argument(
-        "--lr", type=_finite_float, default=3e-3,
-        help="peak learning rate (linear warm-up, cosine decay to a tenth)",
+        "--lr", type=_finite_float, default=None,
+        help="peak learning rate (linear warm-up, cosine decay to a tenth); by default "
+        "the --optimizer's own: " + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_LRS.items()),
     )  # fmt: skip
     train.add_argument(
         "--weight-decay", type=_finite_float, default=0.1,
@@ -234,6 +235,8 @@ def _check(args: argparse.Namespace) -> TrainConfig:
             raise CommandError(
                 f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}"
             )
+    if args.lr is None:
+        args.lr = DEFAULT_LRS[args.optimizer]
     if not args.lr > 0:
         raise CommandError(f"--lr must be positive, got {args.lr}")
     for name in ("weight_decay", "clip"):

@@ -103,8 +103,8 @@ def optimizer_groups(
     name: str, model: torch.nn.Module, weight_decay: float
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """The param groups for ``--optimizer name`` and their names in the log."""
-    if name == "muon":
-        adamw = {"betas": (0.9, 0.95), "weight_decay": weight_decay}
+    if name == "muon":  # the AdamW group: embeddings, biases and norms, without decay
+        adamw = {"betas": (0.9, 0.95), "weight_decay": 0.0}
         groups = gs.muon_groups(model, {"weight_decay": weight_decay}, adamw)
         return groups, ["muon", "adamw"]
     return with_exclusions(name, gs.decay_groups(model, weight_decay)), ["decay", "no_decay"]
