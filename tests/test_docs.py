@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import re
+import socket
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,10 @@ SCRIPTS = {
 }
 """(guide, index of its python block) -> a pattern of the line the script prints (the guide
 shows that line). Each guide's first block; every block of integrations.md."""
+# scripts of torch and groupshard alone run one after another in one launch (guide_runner);
+# those of Hugging Face's libraries and Lightning, which keep process-wide state
+# (accelerate's PartialState), each in its own
+OWN_LAUNCH = {"integrations.md", "lightning.md"}
 GUIDES_WITHOUT_CODE = {"muon-design.md", "overlap.md", "usage.md", "when-something-fails.md"}
 
 
@@ -73,17 +78,46 @@ CHECKS = {
 }
 
 
-@pytest.mark.parametrize("guide, index", sorted(SCRIPTS))
-def test_the_guides_scripts_run_as_written(tmp_path, guide, index):
-    printed = run_script(guide_script(guide, index), tmp_path)
+def _check_printed(guide: str, index: int, printed: str) -> None:
     pattern = SCRIPTS[guide, index]
     found = re.search(pattern, printed)
-    assert found is not None, printed
+    assert found is not None, (guide, printed)
     # the guide shows the line it prints (its digits may differ on another CPU)
-    assert re.search(pattern, (DOCS / guide).read_text()) is not None
+    assert re.search(pattern, (DOCS / guide).read_text()) is not None, guide
     if (guide, index) in CHECKS:
-        assert CHECKS[guide, index](*found.groups()), found.group(0)
+        assert CHECKS[guide, index](*found.groups()), (guide, found.group(0))
 
+
+@pytest.mark.parametrize("guide, index", sorted(k for k in SCRIPTS if k[0] in OWN_LAUNCH))
+def test_the_guides_scripts_run_as_written(tmp_path, guide, index):
+    _check_printed(guide, index, run_script(guide_script(guide, index), tmp_path))
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for each in sockets:
+        each.bind(("127.0.0.1", 0))
+    ports = [each.getsockname()[1] for each in sockets]
+    for each in sockets:
+        each.close()
+    return ports
+
+
+def test_the_other_guides_scripts_run_as_written_in_one_launch(tmp_path, monkeypatch):
+    """The first script of every guide of torch and groupshard alone, each in its own
+    folder with its own rendezvous, in one torchrun launch (tests/guide_runner.py)."""
+    keys = sorted(k for k in SCRIPTS if k[0] not in OWN_LAUNCH)
+    folders = []
+    for guide, index in keys:
+        folder = tmp_path / guide.removesuffix(".md")
+        folder.mkdir()
+        (folder / "script.py").write_text(guide_script(guide, index))
+        folders.append(str(folder))
+    monkeypatch.setenv("GUIDE_PORTS", ",".join(map(str, _free_ports(len(keys)))))
+    runner = str(Path(__file__).with_name("guide_runner.py"))
+    run_under_torchrun([runner, *folders], tmp_path)
+    for (guide, index), folder in zip(keys, folders, strict=True):
+        _check_printed(guide, index, (Path(folder) / "stdout.txt").read_text())
 
 def test_every_guide_with_code_opens_with_a_script_run_here():
     """Each guide in docs/ that shows Python code has its first block in SCRIPTS."""

@@ -8,7 +8,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "groupshard"
 LAYERS = {
-    "pure": ["layout", "groups", "units", "options", "precision", "writes"],
+    "pure": ["layout", "groups", "units", "options", "precision", "writes", "schedulers"],
     "communication": ["comm", "mesh"],
     "storage": ["segments", "flatten", "gradients", "storage"],
     "runtime": ["unit_runtime", "gathers", "buckets", "end_of_backward", "guards", "runtime"],

@@ -26,7 +26,7 @@ from groupshard.cli import DEFAULT_LRS, MODEL_SIZES, OPTIMIZERS, PRECISIONS
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from groupshard.cli.train import TrainConfig
+    from groupshard.cli.config import TrainConfig
 
 LAUNCHER_LOG = "launcher.log"  # in --out: the launcher's and the workers' logs
 # seconds: far above what a healthy rank waits for another here (a step, a checkpoint), far
@@ -285,7 +285,7 @@ def _check(args: argparse.Namespace) -> TrainConfig:
     import torch
 
     from groupshard.cli import data as corpus
-    from groupshard.cli.train import CHECKPOINT, PRESETS, TrainConfig
+    from groupshard.cli.config import CHECKPOINT, PRESETS, TrainConfig
 
     if "WORLD_SIZE" not in os.environ and args.nproc > _max_processes():
         raise CommandError(
@@ -347,7 +347,7 @@ def _replicas(args: argparse.Namespace) -> int:
 def _has_checkpoint(checkpoint: Path) -> bool:
     """Whether ``checkpoint`` holds one to resume (or a damaged one, for --resume to name)."""
     from groupshard import checkpoint as gs_checkpoint
-    from groupshard.cli.train import ZERO_CHECKPOINT
+    from groupshard.cli.config import ZERO_CHECKPOINT
 
     try:
         return gs_checkpoint.exists(checkpoint) or (checkpoint / ZERO_CHECKPOINT).exists()
@@ -361,7 +361,8 @@ def _check_resumable(checkpoint: Path, config: TrainConfig, finished_is_fine: bo
     import torch
 
     from groupshard import checkpoint as gs_checkpoint
-    from groupshard.cli.train import IDENTITY_BEFORE_RECORDED, ZERO_CHECKPOINT, describe
+    from groupshard.cli.config import IDENTITY_BEFORE_RECORDED, ZERO_CHECKPOINT
+    from groupshard.cli.train import describe
 
     zero_file = checkpoint / ZERO_CHECKPOINT
     sharded = gs_checkpoint.exists(checkpoint)  # also one an interrupted save left beside it
@@ -422,8 +423,6 @@ def _launch(config: TrainConfig, nproc: int) -> int:
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-        from groupshard.cli.train import worker
-
         log_file = Path(config.out) / LAUNCHER_LOG
         with _log_to(log_file), tempfile.TemporaryDirectory(prefix="groupshard-") as error_files:
             launch = LaunchConfig(
@@ -434,7 +433,7 @@ def _launch(config: TrainConfig, nproc: int) -> int:
             )  # fmt: skip
             try:
                 summaries = stop.run(
-                    elastic_launch(launch, worker), config, str(log_file), stop.event
+                    elastic_launch(launch, _worker), config, str(log_file), stop.event
                 )
             except ChildFailedError as error:
                 if stop.forced:
@@ -448,6 +447,14 @@ def _launch(config: TrainConfig, nproc: int) -> int:
                 _error(f"worker {rank} failed: {cause} (logs in {log_file})")
                 return 1
         return _outcome(summaries[0], signum=stop.signum)
+
+
+def _worker(config: TrainConfig, log_file: str, stop_event: Any) -> dict[str, Any]:
+    """The launched workers' entry point: ``train.worker``, imported in the spawned workers
+    only (0.4 s less before they start: the launcher needs none of the loop's imports)."""
+    from groupshard.cli.train import worker
+
+    return worker(config, log_file, stop_event)
 
 
 class _StopRequests:
@@ -561,7 +568,7 @@ def _interrupted(out: str, step: int | None, signum: int) -> None:
     """One line: where the run stopped (and by which signal, but for Ctrl-C's SIGINT), and
     its checkpoint if there is one."""
     from groupshard import checkpoint as gs_checkpoint
-    from groupshard.cli.train import CHECKPOINT, ZERO_CHECKPOINT
+    from groupshard.cli.config import CHECKPOINT, ZERO_CHECKPOINT
 
     checkpoint = Path(out) / CHECKPOINT
     by = "" if signum in (0, signal.SIGINT) else f" by {signal.Signals(signum).name}"

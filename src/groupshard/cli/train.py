@@ -11,7 +11,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -26,60 +26,17 @@ import groupshard as gs
 from groupshard import comm
 from groupshard.cli import data as corpus
 from groupshard.cli import report
-from groupshard.cli.model import GPT, Block, GPTConfig
+from groupshard.cli.config import (
+    CHECKPOINT,
+    PRESETS,
+    ZERO_CHECKPOINT,
+    TrainConfig,
+)
+from groupshard.cli.model import GPT, Block
 from groupshard.mesh import MESH_DIM_NAMES
 
-PRESETS = {
-    "tiny": GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64),
-    "small": GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=128),
-    "medium": GPTConfig(vocab_size=256, block_size=256, n_layer=6, n_head=8, n_embd=256),
-}
-CHECKPOINT = "checkpoint"
-ZERO_CHECKPOINT = "zero.pt"  # inside CHECKPOINT: the --zero run's plain torch.save file
-# identity keys that older checkpoints lack, with the value every run then had
-IDENTITY_BEFORE_RECORDED = {"precision": "fp32", "grad_accum": 1, "freeze_embeddings_until": 0}
 # --precision: the dtype units gather and compute in (gradients reduce in fp32 either way)
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Everything a run depends on; saved with its checkpoints."""
-
-    data: str | None
-    model: str
-    steps: int
-    batch_size: int
-    lr: float
-    weight_decay: float
-    strategy: str
-    optimizer: str
-    zero: bool
-    seed: int
-    out: str
-    resume: bool
-    ckpt_every: int
-    eval_every: int
-    clip: float
-    timeout: float  # seconds a collective may wait for the other ranks
-    precision: str = "fp32"  # "fp32", "bf16" or "fp16" (units compute in it, fp32 masters)
-    grad_accum: int = 1  # micro-batches per rank and optimizer step
-    init: str = "meta"  # "meta": built on the meta device, initialized by gs.shard; "full"
-    loss_scale: float = 2.0**16  # fp16: the scaler's initial scale (a checkpoint's on resume)
-    replicate: int = 1  # > 1: hybrid sharding, this many replicas of world / replicate shards
-    freeze_embeddings_until: int = 0  # embeddings frozen before this step, then a group (0: off)
-    start_from: str | None = None  # --from: a checkpoint folder (any writer) to start from
-
-    def identity(self) -> dict[str, Any]:
-        """What a checkpoint must share with the run that resumes it."""
-        return {
-            "model": self.model,
-            "optimizer": self.optimizer,
-            "zero": self.zero,
-            "precision": self.precision,
-            "grad_accum": self.grad_accum,
-            "freeze_embeddings_until": self.freeze_embeddings_until,
-        }
 
 
 def optimizer_spec(name: str, lr: float) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
