@@ -102,10 +102,11 @@ def _alive(pid):
 
 
 def test_train_end_to_end(tmp_path):
+    """The default run (AdamW, its default --lr) for 100 steps: every output, and it learns
+    as test_each_optimizer_learns_in_the_default_run_with_its_own_lr asks of the others."""
     out = str(tmp_path / "run")
-    result = groupshard(
-        "train", *TINY, "--steps", "40", "--eval-every", "10", "--ckpt-every", "15", "--out", out
-    )
+    result = groupshard("train", "--steps", "100", "--eval-every", "25", "--ckpt-every", "30",
+                        "--out", out)  # fmt: skip
     for name in (
         "log.jsonl",
         "log.csv",
@@ -116,7 +117,7 @@ def test_train_end_to_end(tmp_path):
         assert os.path.exists(os.path.join(out, name)), name
     assert f"outputs in {out}/" in result.stdout
     losses = _losses(out)
-    assert len(losses) == 40
+    assert len(losses) == 100
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5  # it learns
     with open(os.path.join(out, "log.jsonl")) as log:
         rows = [json.loads(line) for line in log]
@@ -124,6 +125,7 @@ def test_train_end_to_end(tmp_path):
     assert {"grad_norm/decay", "grad_norm/no_decay"} <= rows[0].keys()
     with open(os.path.join(out, "summary.json")) as handle:
         summary = json.load(handle)
+    _assert_learned(summary, "adamw")
     assert summary["parameters_per_rank"] * 2 <= summary["parameters_total"] + 2 * 1024
     printed = result.stdout.splitlines()  # the per-group table, and the sample
     for group in summary["groups"]:
@@ -135,32 +137,37 @@ def test_train_end_to_end(tmp_path):
 @pytest.mark.parametrize(
     "options",
     [
-        ["--optimizer", "adamw"],
         ["--optimizer", "sgd"],
         ["--zero", "--optimizer", "lamb"],
         ["--optimizer", "lars", "--strategy", "grad_op"],
         ["--optimizer", "muon"],
         ["--optimizer", "adafactor"],
     ],
-    ids=["adamw", "sgd", "lamb-zero", "lars-grad_op", "muon", "adafactor"],
+    ids=["sgd", "lamb-zero", "lars-grad_op", "muon", "adafactor"],
 )
 def test_each_optimizer_learns_in_the_default_run_with_its_own_lr(tmp_path, options):
     """The default model and batch, 100 steps, no --lr: with its own default, each optimizer
     closes at least two thirds of the gap between guessing bytes uniformly and the
     byte-bigram table (with AdamW's 3e-3, Adafactor, LAMB, LARS and SGD stayed within the
-    first third; AdamW itself needs more than 200 steps to pass the bigram table)."""
+    first third; AdamW itself needs more than 200 steps to pass the bigram table). AdamW
+    is test_train_end_to_end's run."""
     out = str(tmp_path / "run")
     groupshard("train", "--steps", "100", "--eval-every", "100", "--out", out, *options)
     with open(os.path.join(out, "summary.json")) as handle:
         summary = json.load(handle)
-    optimizer = options[options.index("--optimizer") + 1]
-    assert summary["config"]["lr"] == DEFAULT_LRS[optimizer]
-    uniform, bigram = summary["baselines"]["uniform"], summary["baselines"]["bigram"]
-    assert summary["val_loss"] < bigram + (uniform - bigram) / 3, summary["val_loss"]
+    _assert_learned(summary, options[options.index("--optimizer") + 1])
     if "muon" in options:  # the AdamW group: embeddings, biases and norms, without decay
         assert [(g["group"], g["weight_decay"]) for g in summary["groups"]] == [
             ("muon", 0.1), ("adamw", 0.0)
         ]
+
+
+def _assert_learned(summary: dict, optimizer: str) -> None:
+    """The run used ``optimizer``'s default --lr and closed two thirds of the gap between
+    guessing uniformly and the byte-bigram table (benchmarks/README.md has the sweep)."""
+    assert summary["config"]["lr"] == DEFAULT_LRS[optimizer]
+    uniform, bigram = summary["baselines"]["uniform"], summary["baselines"]["bigram"]
+    assert summary["val_loss"] < bigram + (uniform - bigram) / 3, summary["val_loss"]
 
 
 def test_muon_decays_only_the_hidden_matrices():
