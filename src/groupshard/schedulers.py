@@ -14,7 +14,8 @@ ValueError that says what to do. Pure: plans without changing anything, then app
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,15 +83,36 @@ def _flatten(schedulers: Sequence[Any]) -> list[LRScheduler]:
     return flat
 
 
+def _same(value: Any, first: Any) -> bool:
+    if isinstance(value, float) and isinstance(first, float):  # ratios of learning rates
+        return math.isclose(value, first, rel_tol=1e-9)
+    return value is first or value == first
+
+
 def _shared(values: list[Any], what: str) -> Any:
     """The value every old group has (one lambda for all groups, one ratio...)."""
     first = values[0]
-    if all(value is first or value == first for value in values[1:]):
+    if all(_same(value, first) for value in values[1:]):
         return first
     raise ValueError(
         f"The scheduler's {what} differs between the old param groups, so a new group's is "
         f"unknown; {_REBUILD}."
     )
+
+
+def _starting_lr(group: dict[str, Any]) -> float:
+    return group["initial_lr"]
+
+
+def _current_lr(group: dict[str, Any]) -> float:
+    return group["lr"]
+
+
+# a new group's entry in these lists comes from the group itself, once it is in place
+_FROM_GROUP: dict[str, Callable[[dict[str, Any]], float]] = {
+    _BASE: _starting_lr,
+    _LAST: _current_lr,
+}
 
 
 @dataclass
@@ -111,9 +133,9 @@ class SchedulerPlan:
                 group.setdefault("initial_lr", group["lr"])
         for scheduler, lists in self.lists:
             for name, values in lists.items():
+                from_group = _FROM_GROUP.get(name)
                 setattr(scheduler, name, [
-                    value(param_groups[index]) if callable(value) and name in (_BASE, _LAST)
-                    else value
+                    value(param_groups[index]) if from_group and value is from_group else value
                     for index, value in enumerate(values)
                 ])  # fmt: skip
 
@@ -155,10 +177,8 @@ def plan_schedulers(
             old = getattr(scheduler, name, None)
             if not isinstance(old, list) or len(old) != len(old_groups):
                 continue
-            if name == _BASE:  # a new group's base: where it starts
-                fresh: Any = lambda group: group["initial_lr"]  # noqa: E731
-            elif name == _LAST:
-                fresh = lambda group: group["lr"]  # noqa: E731
+            if name in _FROM_GROUP:  # a new group's base and last learning rates
+                fresh: Any = _FROM_GROUP[name]
             elif None in matched:
                 fresh = _shared(old, f"{type(scheduler).__name__}.{name}")
             else:
