@@ -88,10 +88,11 @@ def regroup(
             optimizer and groups are added, removed or reordered.
 
     Every rank must pass the same groups (a ValueError on every rank otherwise). Call it
-    between steps, after ``optimizer.zero_grad()``. Only the units whose layout changes
-    are re-laid out; each parameter that stays trainable keeps its optimizer state and
-    takes its new group's hyperparameters. docs/regroup.md has the details, and what it
-    means for LR schedulers.
+    between steps: after ``optimizer.step()`` (the gradients it used are dropped, as
+    ``zero_grad`` would) or ``optimizer.zero_grad()``; gradients no step has used yet are
+    refused. Only the units whose layout changes are re-laid out; each parameter that
+    stays trainable keeps its optimizer state and takes its new group's hyperparameters.
+    docs/regroup.md has the details.
     """
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         _regroup_zero(model, optimizer, param_groups, default_group, schedulers)
