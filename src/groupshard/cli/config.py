@@ -59,4 +59,3 @@ class TrainConfig:
             "grad_accum": self.grad_accum,
             "freeze_embeddings_until": self.freeze_embeddings_until,
         }
-
