@@ -609,3 +609,45 @@ def test_regroup_refusals_say_what_to_do(run_ranks) -> None:
     assert "optimizer.step()" in unstepped and "zero_grad" in unstepped
     assert "schedulers=[scheduler]" in not_passed
     assert "one learning rate per group" in split and "rebuild the scheduler" in split
+
+
+def _zero_scheduled_case(rank: int, world_size: int) -> tuple[float, float]:
+    """gs.ZeroRedundancyOptimizer with a LambdaLR, blocks.1 unfrozen into a new group with
+    schedulers=[...], against one process with torch's idiom: weight and lr differences."""
+    import torch.distributed as dist
+
+    model = _model()
+    reference = copy.deepcopy(model)
+    names = [n for n, _ in reference.named_parameters()]
+    zero = gs.ZeroRedundancyOptimizer(
+        _as_dicts(_phase_groups(names, 0), model), torch.optim.AdamW, lr=3e-3
+    )
+    reference_opt = torch.optim.AdamW(_as_dicts(_phase_groups(names, 0), reference), lr=3e-3)
+    scheduler, reference_scheduler = (SCHEDULERS["LambdaLR"](o) for o in (zero, reference_opt))
+    local = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
+    worst_lr = 0.0
+    for step, (inputs, targets) in enumerate(global_batches(STEPS, world_size)):
+        if step == UNFREEZE_AT:
+            unfrozen = _as_dicts(_phase_groups(names, 1), model)
+            gs.regroup(model, zero, unfrozen, schedulers=[scheduler])
+            _torch_idiom(reference, reference_opt, names, 1)
+            _extend_as_torch_users_do(reference_scheduler, reference_opt.param_groups[-1])
+        model(inputs[local], targets[local]).backward()
+        for param in model.parameters():
+            if param.grad is not None:
+                dist.all_reduce(param.grad)
+                param.grad /= world_size
+        reference(inputs, targets).backward()
+        for o, s in ((zero, scheduler), (reference_opt, reference_scheduler)):
+            o.step()
+            o.zero_grad()
+            s.step()
+        lrs, expected = ([g["lr"] for g in o.param_groups] for o in (zero, reference_opt))
+        assert len(lrs) == len(expected), (step, lrs, expected)
+        worst_lr = max(worst_lr, *(abs(a - b) / b for a, b in zip(lrs, expected, strict=True)))
+    return max_difference(model.state_dict(), reference.state_dict()), worst_lr
+
+
+def test_regroup_zero_redundancy_optimizer_carries_lr_schedulers(run_ranks) -> None:
+    weight, lr = run_ranks(2, _zero_scheduled_case, timeout=120)[0]
+    assert weight < 1e-5 and lr < 1e-12, (weight, lr)
