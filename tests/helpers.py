@@ -7,6 +7,7 @@ import copy
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -289,6 +290,17 @@ def run_under_torchrun(arguments: list[str], folder: Path, timeout: float = 240)
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports free on 127.0.0.1 now (each bound, then released)."""
+    sockets = [socket.socket() for _ in range(count)]
+    for each in sockets:
+        each.bind(("127.0.0.1", 0))
+    ports = [each.getsockname()[1] for each in sockets]
+    for each in sockets:
+        each.close()
+    return ports
 
 
 def guide_script(guide: str, index: int) -> str:

@@ -4,12 +4,11 @@
 from __future__ import annotations
 
 import re
-import socket
 from pathlib import Path
 
 import pytest
 
-from helpers import DOCS, guide_script, run_under_torchrun
+from helpers import DOCS, free_ports, guide_script, run_under_torchrun
 
 # guide -> a pattern of the line its script prints (the guide shows that line)
 SCRIPTS = {
@@ -93,16 +92,6 @@ def test_the_guides_scripts_run_as_written(tmp_path, guide, index):
     _check_printed(guide, index, run_script(guide_script(guide, index), tmp_path))
 
 
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for each in sockets:
-        each.bind(("127.0.0.1", 0))
-    ports = [each.getsockname()[1] for each in sockets]
-    for each in sockets:
-        each.close()
-    return ports
-
-
 def test_the_other_guides_scripts_run_as_written_in_one_launch(tmp_path, monkeypatch):
     """The first script of every guide of torch and groupshard alone, each in its own
     folder with its own rendezvous, in one torchrun launch (tests/guide_runner.py)."""
@@ -113,7 +102,7 @@ def test_the_other_guides_scripts_run_as_written_in_one_launch(tmp_path, monkeyp
         folder.mkdir()
         (folder / "script.py").write_text(guide_script(guide, index))
         folders.append(str(folder))
-    monkeypatch.setenv("GUIDE_PORTS", ",".join(map(str, _free_ports(len(keys)))))
+    monkeypatch.setenv("GUIDE_PORTS", ",".join(map(str, free_ports(len(keys)))))
     runner = str(Path(__file__).with_name("guide_runner.py"))
     run_under_torchrun([runner, *folders], tmp_path)
     for (guide, index), folder in zip(keys, folders, strict=True):

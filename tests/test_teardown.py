@@ -5,7 +5,6 @@ abort the process with "terminate called without an active exception")."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -16,7 +15,7 @@ import torch.distributed as dist
 import groupshard as gs
 from groupshard.cli.model import GPT, Block
 
-from helpers import TINY, global_batches
+from helpers import TINY, free_ports, global_batches
 
 
 def _threads() -> int:
@@ -88,9 +87,7 @@ def test_readme_order_destroy_ends_the_default_group(tmp_path):
     group alive past destroy_process_group."""
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    (port,) = free_ports(1)
     result = subprocess.run(
         [sys.executable, str(script), str(port)], capture_output=True, text=True, timeout=120
     )
