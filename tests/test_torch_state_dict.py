@@ -210,19 +210,21 @@ def load_torch_idiom_folder_case(rank, world_size, path, reader_kind):
     model, optimizer = sharded(rank, world_size, seed=77, unit=Block, strategy="grad_op")
     if reader_kind == "groupshard":
         gs.checkpoint.load(path, model, optimizer)
-    else:
-        model_state, optim_state = get_state_dict(model, optimizer)
+    else:  # torch's idiom; flattened: the param groups per parameter name (torchtitan's)
+        options = StateDictOptions(flatten_optimizer_state_dict=reader_kind == "torch flattened")
+        model_state, optim_state = get_state_dict(model, optimizer, options=options)
         state = {"model": model_state, "optim": optim_state}
         dcp.load(state, checkpoint_id=path)
         set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])  # fmt: skip
+                       optim_state_dict=state["optim"], options=options)  # fmt: skip
     train(model, optimizer, batches()[RESUME_AT:], rank, world_size)
     reference, _ = reference_run()
     return max_difference(gs.full_state_dict(model), reference.state_dict())
 
 
 @pytest.mark.parametrize(
-    ("writer", "reader_kind"), [("torch", "groupshard"), ("groupshard", "torch")]
+    ("writer", "reader_kind"),
+    [("torch", "groupshard"), ("groupshard", "torch"), ("groupshard", "torch flattened")],
 )
 def test_torch_idiom_and_gs_checkpoint_share_one_format(run_ranks, tmp_path, writer, reader_kind):
     path = str(tmp_path / "ckpt")

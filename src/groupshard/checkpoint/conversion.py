@@ -11,13 +11,12 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from groupshard.checkpoint import codec, folders, reader
 from groupshard.checkpoint.entries import EXTRA, MODEL, OPTIM, STATE, group_entries
 from groupshard.checkpoint.errors import CheckpointError
-from groupshard.checkpoint.planner import Piece
+from groupshard.checkpoint.planner import EntriesSavePlanner, Piece, by_first_name
 from groupshard.checkpoint.sharded import _single_process_is_meant, read_entries
 from groupshard.flatten import plain_optimizer_state
 
@@ -84,7 +83,7 @@ def upgrade(path: str | os.PathLike, output: str | os.PathLike) -> None:
         raise CheckpointError(f"{file} does not describe a {folders.FIRST_FORMAT} checkpoint")
     values = read_whole(folder, reader.read_metadata(folder))
     try:
-        entries = _first_layout_entries(meta, values)
+        entries, aliases = _first_layout_entries(meta, values)
     except (KeyError, TypeError, ValueError, RuntimeError) as error:
         raise CheckpointError(
             f"{file} does not describe the checkpoint beside it ({type(error).__name__}: {error})"
@@ -94,9 +93,9 @@ def upgrade(path: str | os.PathLike, output: str | os.PathLike) -> None:
     try:
         with _single_process_is_meant():
             dcp.save(
-                entries,
-                storage_writer=folders.FileWriter(temporary),
-                planner=DefaultSavePlanner(flatten_state_dict=False),
+                by_first_name(entries),
+                storage_writer=folders.FileWriter(temporary, aliases),
+                planner=EntriesSavePlanner(),
                 no_dist=True,
             )
         meta.pop("optim_state", None)
@@ -108,9 +107,13 @@ def upgrade(path: str | os.PathLike, output: str | os.PathLike) -> None:
         raise
 
 
-def _first_layout_entries(meta: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
-    """Today's entries from the first layout's description and (whole, 1-D) tensors."""
+def _first_layout_entries(
+    meta: dict[str, Any], values: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """Today's entries and aliases (``group_entries``) from the first layout's description
+    and (whole, 1-D) tensors."""
     entries: dict[str, Any] = {}
+    aliases: dict[str, str] = {}
     for fqn, spec in meta["params"].items():
         for alias in spec["aliases"]:
             entries[MODEL + alias] = values[f"model.{fqn}"].view(spec["shape"])
@@ -128,6 +131,7 @@ def _first_layout_entries(meta: dict[str, Any], values: dict[str, Any]) -> dict[
     if "groups" in meta:
         listed = [g["params"] for g in meta["groups"]]
         hyperparameters = [codec.decode(g["hyperparameters"]) for g in meta["groups"]]
-        entries.update(group_entries(listed, hyperparameters, OPTIM))
+        groups, aliases = group_entries(listed, hyperparameters, OPTIM)
+        entries.update(groups)
     entries.update({EXTRA + name: values[EXTRA + name] for name in meta["extra_tensors"]})
-    return entries
+    return entries, aliases

@@ -6,7 +6,8 @@ writes ``model.<name>``, ``optim.state.<fqn>.<key>`` and the param groups as
 ``optim.param_groups.<index>.<hyperparameter>`` with ``optim.param_groups.<index>.params``
 (the parameters' names); with ``flatten_optimizer_state_dict=True`` (torchtitan's choice)
 the groups are ``param_groups.<fqn>.<hyperparameter>`` instead. A groupshard checkpoint
-writes both forms of the groups (a few bytes), so either idiom loads it.
+holds both forms of the groups, so either idiom loads it; the per-parameter names are
+aliases of the numbered entries in DCP's metadata (the same bytes), not entries written.
 
 Folders written by others are read by their entry names (:class:`Prefixes`): torch's
 recipe (``model.`` / ``optim.``) and torchtitan's (the model's names bare, the optimizer
@@ -49,28 +50,43 @@ def model_entries(holder: Holder, loading: bool) -> tuple[dict[str, Piece], Any]
     return {MODEL + name: piece for name, piece in entries.items()}, after
 
 
-def optimizer_entries(holder: Holder, prefix: str = OPTIM) -> dict[str, Entry]:
-    """The optimizer's entries this rank offers: its state, and each group's
-    hyperparameters in both forms torch's idiom writes."""
+def optimizer_entries(
+    holder: Holder, prefix: str = OPTIM
+) -> tuple[dict[str, Entry], dict[str, str]]:
+    """The optimizer's entries this rank offers (its state, and each group's
+    hyperparameters) and the aliases of :func:`group_entries`."""
     found: dict[str, Entry] = {}
     for fqn, state in holder.optimizer_entries().items():
         for key, entry in state.items():
             found[f"{prefix}{STATE}{fqn}.{key}"] = entry
-    found.update(group_entries(holder.listed_groups(), holder.hyperparameters(), prefix))
-    return found
+    groups, aliases = group_entries(holder.listed_groups(), holder.hyperparameters(), prefix)
+    found.update(groups)
+    return found, aliases
 
 
 def group_entries(
     listed: Sequence[Sequence[str]], hyperparameters: Sequence[Mapping[str, Any]], prefix: str
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The param groups in both forms torch's idiom writes: numbered
+    (``param_groups.<index>.<key>`` and ``.params``, the parameters' names) as entries,
+    and per parameter (``param_groups.<fqn>.<key>``) as aliases, name to numbered name,
+    that the writer records as the same bytes (``folders.FileWriter``). The per-parameter
+    form is about a thousand tiny entries, each costing DCP's planner and writer a fixed
+    amount; an alias costs a line in the metadata. A tensor value has an entry per
+    parameter (its chunks are no bytes to point at)."""
     found: dict[str, Any] = {}
+    aliases: dict[str, str] = {}
     for index, (names, values) in enumerate(zip(listed, hyperparameters, strict=True)):
         for key, value in values.items():
-            found[f"{prefix}{GROUPS}{index}.{key}"] = value
+            numbered = f"{prefix}{GROUPS}{index}.{key}"
+            found[numbered] = value
             for fqn in names:
-                found[f"{prefix}{GROUPS}{fqn}.{key}"] = value
+                if isinstance(value, torch.Tensor):
+                    found[f"{prefix}{GROUPS}{fqn}.{key}"] = value
+                else:
+                    aliases[f"{prefix}{GROUPS}{fqn}.{key}"] = numbered
         found[f"{prefix}{GROUPS}{index}.params"] = list(names)
-    return found
+    return found, aliases
 
 
 @dataclass(frozen=True)

@@ -19,12 +19,14 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.storage import WriteResult
 
 from groupshard.checkpoint.errors import CheckpointError
 
@@ -186,14 +188,30 @@ def _os_errors_kept() -> Iterator[None]:
 
 
 class FileWriter(FileSystemWriter):
-    """DCP's file writer, but a write that fails raises its OSError (errno and all), not
-    torch's RuntimeError around it: DCP hands each rank's failure to the others pickled,
-    which keeps an OSError's errno but drops a RuntimeError's ``__context__``."""
+    """DCP's file writer, with two changes:
+
+    - a write that fails raises its OSError (errno and all), not torch's RuntimeError
+      around it: DCP hands each rank's failure to the others pickled, which keeps an
+      OSError's errno but drops a RuntimeError's ``__context__``;
+    - ``aliases`` (name to name of a written non-tensor entry) are recorded in the
+      metadata as entries of their own whose bytes are their twin's: any DCP reader
+      reads them as it reads any entry, from the same place in the same file.
+    """
+
+    def __init__(self, path: str | os.PathLike, aliases: Mapping[str, str] | None = None):
+        super().__init__(path)
+        self.aliases = dict(aliases or {})
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         with _os_errors_kept():
             return super().write_data(plan, planner)
 
-    def finish(self, metadata: Any, results: Any) -> None:
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        written = {r.index.fqn: r for ranks_results in results for r in ranks_results}
+        twins = []
+        for alias, name in self.aliases.items():
+            twin = written[name]
+            metadata.state_dict_metadata[alias] = metadata.state_dict_metadata[name]
+            twins.append(WriteResult(MetadataIndex(alias), twin.size_in_bytes, twin.storage_data))
         with _os_errors_kept():
-            super().finish(metadata, results)
+            super().finish(metadata, [*results, twins])

@@ -22,7 +22,6 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
 from groupshard import comm
@@ -47,7 +46,12 @@ from groupshard.checkpoint.entries import (
 from groupshard.checkpoint.errors import CheckpointError, NoSpaceError
 from groupshard.checkpoint.folders import FORMAT
 from groupshard.checkpoint.pieces import Holder, holder_of
-from groupshard.checkpoint.planner import Piece, SafeLoadPlanner
+from groupshard.checkpoint.planner import (
+    EntriesSavePlanner,
+    Piece,
+    SafeLoadPlanner,
+    by_first_name,
+)
 
 
 @contextmanager
@@ -152,12 +156,14 @@ def save(
     path = Path(path)
     entries: dict[str, Any]
     entries, _ = model_entries(holder, loading=False)
+    aliases: dict[str, str] = {}
     if ranks.rank != 0:  # buffers need not agree across ranks: rank 0's are saved
         for name in holder.buffers():
             entries.pop(MODEL + name)
     meta: dict[str, Any] = {"format": FORMAT, "world_size": ranks.size, **_model_meta(holder)}
     if optimizer is not None:
-        entries.update(optimizer_entries(holder))
+        optimizer_found, aliases = optimizer_entries(holder)
+        entries.update(optimizer_found)
         meta["groups"] = [
             {"params": listed, "hyperparameters": codec.encode(values)}
             for listed, values in zip(holder.listed_groups(), holder.hyperparameters(), strict=True)
@@ -179,14 +185,14 @@ def save(
     meta["serial"] = serial
     failure: BaseException | None = None
     try:
-        state_dict = {name: dcp_value(entry) for name, entry in entries.items()}
+        state_dict = by_first_name({name: dcp_value(e) for name, e in entries.items()})
         try:
             with _single_process_is_meant():
                 dcp.save(
                     state_dict,
                     checkpoint_id=temporary,
-                    storage_writer=folders.FileWriter(temporary),
-                    planner=DefaultSavePlanner(flatten_state_dict=False),
+                    storage_writer=folders.FileWriter(temporary, aliases),
+                    planner=EntriesSavePlanner(),
                     **_dcp_kwargs(ranks),
                 )
         except dcp.CheckpointException as error:  # a BaseException, raised on every rank
