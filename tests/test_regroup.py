@@ -86,6 +86,16 @@ def _as_dicts(groups: list[tuple[list[str], dict[str, Any]]], model: nn.Module) 
     return [{"params": [model.get_parameter(n) for n in names], **o} for names, o in groups]
 
 
+def _average_gradients(model, world_size):
+    """What DDP does to a plain model's gradients (a gs.ZeroRedundancyOptimizer steps it)."""
+    import torch.distributed as dist
+
+    for param in model.parameters():
+        if param.grad is not None:
+            dist.all_reduce(param.grad)
+            param.grad /= world_size
+
+
 def _torch_idiom(
     model: nn.Module,
     opt: torch.optim.Optimizer,
@@ -431,8 +441,6 @@ def _zero_case(rank: int, world_size: int) -> float:
     """gs.ZeroRedundancyOptimizer over a plain model (gradients averaged by hand, as DDP
     would): the same unfreeze / move / freeze as one process with torch's idiom, but the
     biases of blocks.1 stay (a bucket spans units: its biases' step is not the others')."""
-    import torch.distributed as dist
-
     model = _model()
     reference = copy.deepcopy(model)
     names = [n for n, _ in reference.named_parameters()]
@@ -449,10 +457,7 @@ def _zero_case(rank: int, world_size: int) -> float:
             gs.regroup(model, zero, _as_dicts([g for g in groups if g[0]], model))
             _torch_idiom(reference, reference_opt, names, phase_at[step], _not_in_block_1)
         model(inputs[local], targets[local]).backward()
-        for param in model.parameters():
-            if param.grad is not None:
-                dist.all_reduce(param.grad)
-                param.grad /= world_size
+        _average_gradients(model, world_size)
         reference(inputs, targets).backward()
         for o in (zero, reference_opt):
             o.step()
@@ -614,8 +619,6 @@ def test_regroup_refusals_say_what_to_do(run_ranks) -> None:
 def _zero_scheduled_case(rank: int, world_size: int) -> tuple[float, float]:
     """gs.ZeroRedundancyOptimizer with a LambdaLR, blocks.1 unfrozen into a new group with
     schedulers=[...], against one process with torch's idiom: weight and lr differences."""
-    import torch.distributed as dist
-
     model = _model()
     reference = copy.deepcopy(model)
     names = [n for n, _ in reference.named_parameters()]
@@ -633,10 +636,7 @@ def _zero_scheduled_case(rank: int, world_size: int) -> tuple[float, float]:
             _torch_idiom(reference, reference_opt, names, 1)
             _extend_as_torch_users_do(reference_scheduler, reference_opt.param_groups[-1])
         model(inputs[local], targets[local]).backward()
-        for param in model.parameters():
-            if param.grad is not None:
-                dist.all_reduce(param.grad)
-                param.grad /= world_size
+        _average_gradients(model, world_size)
         reference(inputs, targets).backward()
         for o, s in ((zero, scheduler), (reference_opt, reference_scheduler)):
             o.step()
