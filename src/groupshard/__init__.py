@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 if "torch" in sys.modules:
     # torch.distributed.nn.functional takes the default process group as a default
     # argument when it is first imported; imported after init_process_group (torch._dynamo
-    # imports it, and gs.shard's hooks import torch._dynamo) it would keep the group and
+    # imports it, and groupshard.runtime imports torch._dynamo) it would keep the group and
     # gloo's worker threads alive past destroy_process_group(), into interpreter shutdown,
     # where a worker still releasing a finished collective aborts the process ("terminate
     # called without an active exception", docs/when-something-fails.md). Importing it now,

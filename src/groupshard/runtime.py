@@ -15,6 +15,8 @@ backward). Gathered parameters are current until a shard is written (``writes``)
 
 from __future__ import annotations
 
+import gc
+import sys
 import weakref
 from collections.abc import Callable, Sequence
 from enum import Enum, auto
@@ -35,6 +37,26 @@ from groupshard.guards import check_not_wrapped
 from groupshard.options import ShardOptions
 from groupshard.storage import FlatStorage
 from groupshard.unit_runtime import UnitRuntime
+
+
+def _import_dynamo_without_keeping_callers() -> None:
+    """Import ``torch._dynamo`` (which ``torch.compiler.disable`` imports on its first call)
+    and free the frames its import leaves in a reference cycle.
+
+    ``torch.fx.wrap``, run at the top of ``torch._dynamo.utils``, keeps its own frame in a
+    local; through ``f_back`` that cycle holds every frame of the import, up to the caller's,
+    with their locals, until the garbage collector next runs. Imported from inside
+    ``gs.shard`` (or wherever ``gs.shard`` is first looked up) it kept the process group
+    alive past ``destroy_process_group()`` with gloo's threads running, for as long as no
+    collection came (issue 51). One collection right after the import frees the cycle.
+    """
+    if "torch._dynamo" not in sys.modules:
+        import torch._dynamo  # noqa: F401
+
+        gc.collect()
+
+
+_import_dynamo_without_keeping_callers()
 
 
 class TrainingState(Enum):
