@@ -78,20 +78,26 @@ def test_destroy_process_group_joins_its_threads(run_ranks, strategy, optimizer_
         assert "destroy_process_group" in result["error"]
 
 
-FIRST_SHARD_SCRIPT = """
+FIRST_MODEL_SCRIPT = """
 import gc, sys, weakref
 gc.disable()  # the collector runs when it will: off, a cycle it would free stays
-import groupshard as gs  # before torch, as isort orders them
+door, order = sys.argv[2:]
+if order == "groupshard first":  # as isort orders them
+    import groupshard as gs
 import torch
 import torch.distributed as dist
 from torch import nn
+import groupshard as gs
 
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)
 def train():
     group = dist.new_group([0], backend="gloo")
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
-    model = gs.shard(model, gs.decay_groups(model, 0.1), unit=nn.Linear, process_group=group)
-    opt = torch.optim.AdamW(model.optimizer_groups(), lr=1e-3)
+    if door == "shard":
+        model = gs.shard(model, gs.decay_groups(model, 0.1), unit=nn.Linear, process_group=group)
+        opt = torch.optim.AdamW(model.optimizer_groups(), lr=1e-3)
+    else:
+        opt = gs.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, process_group=group)
     model(torch.randn(4, 8)).sum().backward()
     opt.step()
     dist.destroy_process_group(group)
@@ -100,17 +106,21 @@ print("group alive after destroy:", train()() is not None)
 """
 
 
-def test_the_first_shard_of_a_process_keeps_no_frame_alive(tmp_path):
-    """Issue 51: the first gs.shard of a process imports torch._dynamo, whose torch.fx.wrap
-    leaves a reference cycle holding every calling frame; the frame of the caller that
-    created a group kept it, and gloo's threads, past destroy_process_group until the
-    garbage collector ran (the suite's teardown test failed about one run in four)."""
-    script = tmp_path / "first_shard.py"
-    script.write_text(FIRST_SHARD_SCRIPT)
+@pytest.mark.parametrize(
+    ("door", "order"), [("shard", "groupshard first"), ("zero", "torch first")]
+)
+def test_the_first_model_of_a_process_keeps_no_frame_alive(tmp_path, door, order):
+    """Issue 51: the first gs.shard or optimizer of a process imported torch._dynamo, whose
+    torch.fx.wrap leaves a reference cycle holding every calling frame; the frame that held
+    a group kept it, and gloo's threads, past destroy_process_group until the garbage
+    collector ran (the suite's teardown test failed about one run in four)."""
+    script = tmp_path / "first_model.py"
+    script.write_text(FIRST_MODEL_SCRIPT)
     (port,) = free_ports(1)
     result = subprocess.run(
-        [sys.executable, str(script), str(port)], capture_output=True, text=True, timeout=120
-    )
+        [sys.executable, str(script), str(port), door, order],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "group alive after destroy: False" in result.stdout, result.stdout + result.stderr
 

@@ -10,16 +10,10 @@ import importlib
 import sys
 from typing import TYPE_CHECKING, Any
 
-if "torch" in sys.modules:
-    # torch.distributed.nn.functional takes the default process group as a default
-    # argument when it is first imported; imported after init_process_group (torch._dynamo
-    # imports it, and groupshard.runtime imports torch._dynamo) it would keep the group and
-    # gloo's worker threads alive past destroy_process_group(), into interpreter shutdown,
-    # where a worker still releasing a finished collective aborts the process ("terminate
-    # called without an active exception", docs/when-something-fails.md). Importing it now,
-    # before the group exists, is cheap once torch is loaded; without torch loaded yet
-    # (``groupshard --help``), groupshard.runtime imports it.
-    import torch.distributed.nn.functional  # noqa: F401
+if "torch" in sys.modules:  # else groupshard.comm does, when a model or optimizer is built
+    from groupshard.early_imports import import_early
+
+    import_early()  # before init_process_group: groupshard/early_imports.py says why
 
 from groupshard import torch_hook
 

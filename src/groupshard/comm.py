@@ -29,6 +29,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from groupshard.early_imports import import_early
+
+import_early()  # before a process group is resolved: groupshard/early_imports.py says why
+
 # torch 2.13 renamed the single-tensor collectives; older releases have only the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

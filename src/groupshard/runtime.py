@@ -15,8 +15,6 @@ backward). Gathered parameters are current until a shard is written (``writes``)
 
 from __future__ import annotations
 
-import gc
-import sys
 import weakref
 from collections.abc import Callable, Sequence
 from enum import Enum, auto
@@ -24,7 +22,6 @@ from functools import cached_property
 from typing import Any
 
 import torch
-import torch.distributed.nn.functional  # before init_process_group: groupshard/__init__.py
 from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
@@ -37,26 +34,6 @@ from groupshard.guards import check_not_wrapped
 from groupshard.options import ShardOptions
 from groupshard.storage import FlatStorage
 from groupshard.unit_runtime import UnitRuntime
-
-
-def _import_dynamo_without_keeping_callers() -> None:
-    """Import ``torch._dynamo`` (which ``torch.compiler.disable`` imports on its first call)
-    and free the frames its import leaves in a reference cycle.
-
-    ``torch.fx.wrap``, run at the top of ``torch._dynamo.utils``, keeps its own frame in a
-    local; through ``f_back`` that cycle holds every frame of the import, up to the caller's,
-    with their locals, until the garbage collector next runs. Imported from inside
-    ``gs.shard`` (or wherever ``gs.shard`` is first looked up) it kept the process group
-    alive past ``destroy_process_group()`` with gloo's threads running, for as long as no
-    collection came (issue 51). One collection right after the import frees the cycle.
-    """
-    if "torch._dynamo" not in sys.modules:
-        import torch._dynamo  # noqa: F401
-
-        gc.collect()
-
-
-_import_dynamo_without_keeping_callers()
 
 
 class TrainingState(Enum):
