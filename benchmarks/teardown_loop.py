@@ -70,6 +70,8 @@ def runs_after_the_suite(runs: int, folder: Path) -> list[dict[str, Any]]:
     earlier = [case for case in cases if not case[0].startswith("tests.test_teardown")]
     teardown = [case for case in cases if case[0].startswith("tests.test_teardown")]
     per_run = len(teardown) // runs
+    if per_run == 0 or per_run * runs != len(teardown):
+        raise RuntimeError(f"{len(teardown)} teardown test results for {runs} runs in {junit}")
     results = []
     for index in range(runs):
         mine = teardown[index * per_run : (index + 1) * per_run]

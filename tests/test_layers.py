@@ -9,7 +9,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "groupshard"
 LAYERS = {
     "pure": ["layout", "groups", "units", "options", "precision", "writes", "schedulers"],
-    "communication": ["comm", "mesh"],
+    "communication": ["early_imports", "comm", "mesh"],
     "storage": ["segments", "flatten", "gradients", "storage"],
     "runtime": ["unit_runtime", "gathers", "buckets", "end_of_backward", "guards", "runtime"],
     "model": ["sharding", "materialize", "norms", "scaler", "safetensors_io", "full_state"],

@@ -29,7 +29,13 @@ from groupshard.materialize import (
     release_free_memory,
     same_on_every_rank,
 )
-from groupshard.mesh import MeshRanks, check_mesh, mesh_ranks, mesh_signature
+from groupshard.mesh import (
+    MeshRanks,
+    check_mesh,
+    check_no_dtensor_parameters,
+    mesh_ranks,
+    mesh_signature,
+)
 from groupshard.options import BUCKET_BYTES, FIRST_BUCKET_BYTES, ShardOptions
 from groupshard.precision import MixedPrecision, PrecisionSpec, unit_policy
 from groupshard.runtime import ShardedRuntime, TrainingState
@@ -446,6 +452,7 @@ def shard(
     try:
         if mesh is not None and process_group is not None:
             raise ValueError("Pass either process_group or mesh to gs.shard, not both.")
+        check_no_dtensor_parameters(model)
         if mesh is not None:
             check_mesh(mesh, ranks)
         sharding = MeshRanks.flat(ranks) if mesh is None else mesh_ranks(mesh, ranks, strategy)
