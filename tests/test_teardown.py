@@ -114,15 +114,7 @@ def test_the_first_model_of_a_process_keeps_no_frame_alive(tmp_path, door, order
     torch.fx.wrap leaves a reference cycle holding every calling frame; the frame that held
     a group kept it, and gloo's threads, past destroy_process_group until the garbage
     collector ran (the suite's teardown test failed about one run in four)."""
-    script = tmp_path / "first_model.py"
-    script.write_text(FIRST_MODEL_SCRIPT)
-    (port,) = free_ports(1)
-    result = subprocess.run(
-        [sys.executable, str(script), str(port), door, order],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    assert "group alive after destroy: False" in result.stdout, result.stdout + result.stderr
+    _assert_group_gone_after_destroy(tmp_path, FIRST_MODEL_SCRIPT, door, order)
 
 
 SCRIPT = """
@@ -147,14 +139,21 @@ print("group alive after destroy:", group() is not None)
 
 def test_readme_order_destroy_ends_the_default_group(tmp_path):
     """The README's order (torch, then groupshard, then init_process_group): torch's own
-    modules imported later (torch._dynamo, by gs.shard's hooks) must not keep the default
-    group alive past destroy_process_group."""
+    modules imported later (torch._dynamo, which torch's optimizers import) must not keep
+    the default group alive past destroy_process_group."""
+    _assert_group_gone_after_destroy(tmp_path, SCRIPT)
+
+
+def _assert_group_gone_after_destroy(tmp_path, source: str, *args: str) -> None:
+    """Run ``source`` as a script of one rank (its port, then ``args``): it must exit 0 and
+    print that its group is gone after destroy_process_group."""
     script = tmp_path / "script.py"
-    script.write_text(SCRIPT)
+    script.write_text(source)
     (port,) = free_ports(1)
     result = subprocess.run(
-        [sys.executable, str(script), str(port)], capture_output=True, text=True, timeout=120
-    )
+        [sys.executable, str(script), str(port), *args],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "group alive after destroy: False" in result.stdout, result.stdout + result.stderr
 
