@@ -190,26 +190,31 @@ def _model_tensors(checkpoint, output):
     return torch.load(output, weights_only=True)["model"]
 
 
-def test_interrupt_then_resume_equals_uninterrupted(tmp_path, uninterrupted):
-    whole, parts = uninterrupted, str(tmp_path / "parts")
-    process = _start("train", *TINY, *STEPS, "--out", parts)
-    _wait_for_rows(process, parts, 3)
-    os.killpg(process.pid, signal.SIGINT)  # Ctrl-C in a terminal reaches the whole group
-    _, stderr = process.communicate(timeout=TIMEOUT)
-    assert process.returncode == 130, stderr[-3000:]
-    assert f"continue with --resume --out {parts}" in stderr
-    stopped_at = len(_losses(parts))
-    assert 3 <= stopped_at < 60
-    groupshard("train", *TINY, *STEPS, "--out", parts, "--resume")
-    assert len(_losses(parts)) == 60
-    expected = _model_tensors(os.path.join(whole, "checkpoint"), str(tmp_path / "whole.pt"))
-    resumed = _model_tensors(os.path.join(parts, "checkpoint"), str(tmp_path / "parts.pt"))
-    assert expected.keys() == resumed.keys()
-    for name in expected:
-        assert torch.equal(expected[name], resumed[name]), name
+_BY_COMMAND = ("the data is empty",)  # of each table of cases, one runs the command itself
 
 
-def test_bad_inputs_give_one_line_errors(tmp_path, uninterrupted):
+def _assert_one_line_error(capsys, expected, options, by_command):
+    """``groupshard train *options`` exits 2 with one line on stderr holding ``expected``.
+    The checks run in the launcher before any worker starts, so, but for the case that runs
+    the command as a person does (``by_command``), they run in this process: the same
+    ``main()``, without a second of starting Python and torch per case."""
+    if by_command:
+        result = groupshard("train", *options, check=False)
+        status, stderr = result.returncode, result.stderr
+    else:
+        from groupshard.cli.main import main
+
+        try:
+            status = main(["train", *options])
+        except SystemExit as exit:  # argparse's errors
+            status = exit.code
+        stderr = capsys.readouterr().err
+    assert status == 2, (options, stderr[-3000:])
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0], (options, stderr[-3000:])
+
+
+def test_bad_inputs_give_one_line_errors(tmp_path, uninterrupted, capsys):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     run = uninterrupted
@@ -231,10 +236,7 @@ def test_bad_inputs_give_one_line_errors(tmp_path, uninterrupted):
     }
     for expected, args in cases.items():
         options = args if "--model" in args else [*TINY, *args]
-        result = groupshard("train", *options, check=False)
-        assert result.returncode == 2, (args, result.stderr)
-        lines = result.stderr.strip().splitlines()
-        assert len(lines) == 1 and expected in lines[0], (args, result.stderr)
+        _assert_one_line_error(capsys, expected, options, by_command=expected in _BY_COMMAND)
 
 
 def _lines(stderr):
@@ -374,23 +376,6 @@ def test_help_shows_every_default():
             assert re.search(r"default:? ", " ".join(option.split())), option
 
 
-def test_ctrl_c_exits_in_seconds_with_one_line_naming_the_saved_checkpoint(tmp_path):
-    out = str(tmp_path / "run")
-    process = _start("train", *TINY, "--steps", "1000", "--out", out)
-    _wait_for_rows(process, out, 3)
-    os.killpg(process.pid, signal.SIGINT)
-    interrupted = time.time()
-    _, stderr = process.communicate(timeout=TIMEOUT)
-    assert time.time() - interrupted < 15, stderr[-3000:]  # torch's launcher waited 30 s
-    assert process.returncode == 130, stderr[-3000:]
-    saved = gs.checkpoint.read_extra(os.path.join(out, "checkpoint"))["step"]
-    assert saved == len(_rows(out)) >= 3
-    assert _lines(stderr) == [
-        f"groupshard train: interrupted at step {saved}; checkpoint in {out}/checkpoint; "
-        f"continue with --resume --out {out}"
-    ]
-
-
 def test_ctrl_c_during_start_up_claims_no_checkpoint_and_resume_says_so(tmp_path):
     out = str(tmp_path / "run")
     process = _start("train", *TINY, "--out", out)
@@ -415,7 +400,9 @@ def test_ctrl_c_during_start_up_claims_no_checkpoint_and_resume_says_so(tmp_path
     ]
 
 
-def test_bad_out_folders_give_one_line_errors_before_any_worker_starts(tmp_path, uninterrupted):
+def test_bad_out_folders_give_one_line_errors_before_any_worker_starts(
+    tmp_path, uninterrupted, capsys
+):
     a_file = tmp_path / "a_file"
     a_file.write_text("")
     cases = {
@@ -433,10 +420,8 @@ def test_bad_out_folders_give_one_line_errors_before_any_worker_starts(tmp_path,
             "--out", "/sys/groupshard/run",
         ]  # fmt: skip
     for expected, args in cases.items():
-        result = groupshard("train", *TINY, *args, check=False)
-        assert result.returncode == 2, (args, result.stderr[-3000:])
-        lines = result.stderr.strip().splitlines()
-        assert len(lines) == 1 and expected in lines[0], (args, result.stderr[-3000:])
+        by_command = expected.startswith("--resume:")
+        _assert_one_line_error(capsys, expected, [*TINY, *args], by_command=by_command)
     assert not os.path.exists(f"{a_file}/run")
 
 
@@ -572,19 +557,25 @@ def _assert_same_run(out, whole, tmp_path):
     assert all(torch.equal(weights[name], reference[name]) for name in weights)
 
 
-def test_a_signal_sent_to_the_group_and_the_command_is_one_request(tmp_path, uninterrupted):
-    """SIGTERM, then (resumed) SIGINT, each sent to the whole process group and again to the
-    command 0.2 s later, as `timeout` sends it (SLURM and Kubernetes alike): one request to
-    stop, so the run saves, says where and exits 143 / 130, and --resume continues it as
-    the uninterrupted run went. (The second signal used to kill the workers unsaved.)"""
+def test_stop_signals_save_say_where_and_resume_ends_as_the_uninterrupted_run(
+    tmp_path, uninterrupted
+):
+    """Ctrl-C (SIGINT to the command's process group, as a terminal sends it), then, resumed,
+    SIGTERM to the group and again to the command 0.2 s later, as `timeout` sends it (SLURM
+    and Kubernetes alike): each is one request to stop, so the run saves within seconds
+    (torch's launcher waited 30 s), says where in one line and exits 130 / 143 (the second
+    signal used to kill the workers unsaved); --resume then ends as the uninterrupted run,
+    its rows and weights bit for bit."""
     out = str(tmp_path / "run")
-    for signum, resume in ((signal.SIGTERM, []), (signal.SIGINT, ["--resume"])):
+    stops = ((signal.SIGINT, [], False), (signal.SIGTERM, ["--resume"], True))
+    for signum, resume, repeated in stops:
         before = len(_rows(out)) if resume else 0
         process = _start("train", *TINY, *STEPS, "--out", out, *resume)
         _wait_for_rows(process, out, before + 3)
         os.killpg(process.pid, signum)
-        time.sleep(0.2)
-        os.kill(process.pid, signum)
+        if repeated:
+            time.sleep(0.2)
+            os.kill(process.pid, signum)
         stopped = time.time()
         _, stderr = process.communicate(timeout=TIMEOUT)
         assert time.time() - stopped < 15, stderr[-3000:]
@@ -597,6 +588,8 @@ def test_a_signal_sent_to_the_group_and_the_command_is_one_request(tmp_path, uni
             f"continue with --resume --out {out}"
         ]
     assert _timeless(_rows(out)) == _timeless(_rows(uninterrupted)[:saved])
+    groupshard("train", *TINY, *STEPS, "--out", out, "--resume")
+    _assert_same_run(out, uninterrupted, tmp_path)
 
 
 def test_stop_requests_take_a_repeat_within_a_second_as_the_same_one(monkeypatch):
