@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "groupshard"
 LAYERS = {
     "pure": ["layout", "groups", "units", "options", "precision", "writes", "schedulers"],
     "communication": ["early_imports", "comm", "mesh"],
-    "storage": ["segments", "flatten", "gradients", "storage"],
+    "storage": ["tensor_parallel", "segments", "flatten", "gradients", "storage"],
     "runtime": ["unit_runtime", "gathers", "buckets", "end_of_backward", "guards", "runtime"],
     "model": ["sharding", "materialize", "norms", "scaler", "safetensors_io", "full_state"],
     "front-ends": ["api", "regroup", "optim", "zero", "checkpoint", "torch_hook"],

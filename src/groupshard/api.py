@@ -32,7 +32,6 @@ from groupshard.materialize import (
 from groupshard.mesh import (
     MeshRanks,
     check_mesh,
-    check_no_dtensor_parameters,
     mesh_ranks,
     mesh_signature,
 )
@@ -42,10 +41,18 @@ from groupshard.runtime import ShardedRuntime, TrainingState
 from groupshard.sharding import (
     ShardingState,
     register_shards,
+    sharding_state,
     swap_in_originals,
     swap_out_originals,
 )
 from groupshard.storage import FlatStorage
+from groupshard.tensor_parallel import (
+    TensorParallelism,
+    check_tensor_parallel_options,
+    find_tensor_parallelism,
+    local_parameters,
+    tensor_parallel_signature,
+)
 from groupshard.unit_runtime import UnitRuntime
 from groupshard.units import UnitPlan, UnitSpec, plan_units
 
@@ -181,7 +188,7 @@ class ShardedModule(nn.Module):
         Args:
             writeback: copy the parameters' values back into the shards on exit.
         """
-        state = self.groupshard
+        state = sharding_state(self, "summon_full_params", "part 3, issue 54")
         runtime = state.runtime
         if runtime.state is TrainingState.SUMMONED:
             raise RuntimeError(
@@ -452,10 +459,16 @@ def shard(
     try:
         if mesh is not None and process_group is not None:
             raise ValueError("Pass either process_group or mesh to gs.shard, not both.")
-        check_no_dtensor_parameters(model)
-        if mesh is not None:
+        tensor_parallel = find_tensor_parallelism(
+            dict(model.named_parameters()), mesh, ranks, strategy
+        )
+        if tensor_parallel is not None:  # every strategy runs over the data-parallel ranks
+            sharding = MeshRanks.flat(comm.resolve_ranks(mesh.get_group()))
+        elif mesh is not None:
             check_mesh(mesh, ranks)
-        sharding = MeshRanks.flat(ranks) if mesh is None else mesh_ranks(mesh, ranks, strategy)
+            sharding = mesh_ranks(mesh, ranks, strategy)
+        else:
+            sharding = MeshRanks.flat(ranks)
         options = ShardOptions(
             strategy=strategy,
             reduce_bucket_bytes=reduce_bucket_bytes,
@@ -468,8 +481,10 @@ def shard(
             raise ValueError("This model is already sharded by groupshard.")
         groups = resolve_groups(model, param_groups, default_group)
         plan = plan_units(model, unit)
-        params = dict(model.named_parameters())
+        params = local_parameters(dict(model.named_parameters()), tensor_parallel)
         meta = bool(meta_parameters(params))
+        if tensor_parallel is not None:
+            check_tensor_parallel_options(meta, mixed_precision)
         world_size = 1 if strategy == "no_shard" else sharding.shard.size
         layouts = plan_storages(groups, plan, params, world_size)
         modules = dict(model.named_modules())
@@ -489,7 +504,9 @@ def shard(
         **options.signature(),
         "mixed_precision": {name: repr(policy) for name, policy in policies.items() if policy},
         "built on the meta device": target is not None,
-        "mesh": mesh_signature(mesh),
+        # with tensor parallelism each rank's data-parallel sub-mesh holds other ranks
+        "mesh": mesh_signature(mesh) if tensor_parallel is None else mesh.mesh_dim_names,
+        "tensor parallel": tensor_parallel_signature(tensor_parallel),
     }
     check_same_structure(structure_signature(groups, layouts, model, signature), ranks)
     materialize = (
@@ -508,10 +525,12 @@ def shard(
         if target is not None
         else None
     )
-    units = _shard_units(model, plan, layouts, params, sharding, options, policies, materialize)
+    units = _shard_units(
+        model, plan, layouts, params, sharding, options, policies, materialize, tensor_parallel
+    )
     runtime = ShardedRuntime(units, options)
     runtime.register_hooks()
-    state = ShardingState(groups, plan, runtime, params, sharding)
+    state = ShardingState(groups, plan, runtime, params, sharding, tensor_parallel)
     model.groupshard = state  # type: ignore[assignment]
     cls = model.__class__
     model.__class__ = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {})
@@ -528,6 +547,7 @@ def _shard_units(
     policies: Mapping[str, MixedPrecision | None],
     materialize: Callable[[str], tuple[list[torch.Tensor], dict[torch.dtype, torch.Tensor]]]
     | None = None,
+    tensor_parallel: TensorParallelism | None = None,
 ) -> list[UnitRuntime]:
     """Shard unit by unit; ``materialize(unit_name)`` first gives a meta-built unit real,
     initialized parameters and buffers (then freed as soon as the unit is sharded)."""
@@ -557,6 +577,7 @@ def _shard_units(
                 compute_dtype=policy.compute_dtype(layout.dtype),
                 reduce_dtype=policy.gradient_dtype(layout.dtype),
                 unsharded=flats.get(layout.dtype),
+                tensor_parallel=tensor_parallel,
             )
             for layout in layouts[name]
         ]

@@ -33,10 +33,15 @@ def full_state_dict(
         cpu_offload: move every tensor to the CPU as it is gathered.
     """
     state = sharding_state(model, "full_state_dict")
-    keep = not rank0_only or state.ranks.rank == 0
+    tensor_parallel = state.tensor_parallel
+    keep = not rank0_only or (
+        state.ranks.rank == 0 and (tensor_parallel is None or tensor_parallel.ranks.rank == 0)
+    )
     gathered: dict[str, torch.Tensor] = {}
     for storage in state.storages:
         for fqn, tensor in storage.gather_params().items():
+            if tensor_parallel is not None:  # the local piece, gathered over dp: over tp too
+                tensor = tensor_parallel.whole(fqn, tensor)
             if keep:
                 gathered[fqn] = _own_storage(tensor.cpu() if cpu_offload else tensor)
     if not keep:
@@ -125,7 +130,7 @@ def load_full_state_dict(
       rank reads only the rows its shards hold (``groupshard.safetensors_io``) and the
       bytes it read are returned.
     """
-    state = sharding_state(model, "load_full_state_dict")
+    state = sharding_state(model, "load_full_state_dict", "part 3, issue 54")
     if isinstance(source, (str, os.PathLike)):
         return load_safetensors(model, source)
     if not isinstance(source, Mapping):
@@ -189,7 +194,7 @@ def _load_from_rank0(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -
 
 
 def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> ShardingState:
-    state = sharding_state(model, "optimizer state dicts")
+    state = sharding_state(model, "optimizer state dicts", "part 3, issue 54")
     groups = state.groups.groups
     if len(optimizer.param_groups) != len(groups):
         raise ValueError(

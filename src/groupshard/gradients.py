@@ -125,14 +125,18 @@ def _buffer_norm(func: Any, grad: ShardGrad, args: Sequence[Any], kwargs: Any) -
     if options.get("dtype") is not None:
         local = local.to(options["dtype"])
     segments = segments_of(grad)
-    ranks = segments.ranks if segments is not None and segments.needs_reduce else None
+    reduce_over = segments.reduce_over if segments is not None else ()
+    if segments is not None and segments.uncounted_pieces:  # a tp peer counts these
+        local = local.clone()
+        for piece in segments.uncounted_pieces:
+            local[piece.shard_offset : piece.shard_offset + piece.numel] = 0
     if ord == math.inf:
         value = local.abs().max()  # a shard is never empty
-        if ranks is not None:
+        for ranks in reduce_over:
             comm.all_reduce_max(value, ranks)
         return value
     value = (local != 0).sum().to(local.dtype) if ord == 0 else local.abs().pow(ord).sum()
-    if ranks is not None:
+    for ranks in reduce_over:
         comm.all_reduce_sum(value, ranks)
     return value if ord == 0 else value.pow(1.0 / ord)
 

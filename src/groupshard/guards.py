@@ -56,3 +56,31 @@ def _replacer(module: nn.Module) -> str:
     if type(module).__name__.startswith("FSDP"):
         return "FSDP2 (fully_shard)"
     return "FSDP1 (FullyShardedDataParallel), or another wrapper that replaces parameters,"
+
+
+PARALLELIZED_ATTR = "_distribute_module_applied"
+"""Set on a module by torch's ``distribute_module``, which every ``parallelize_module`` style
+that splits parameters (ColwiseParallel, RowwiseParallel, SequenceParallel) goes through."""
+
+
+def parallelized_modules(root: nn.Module) -> frozenset[str]:
+    """The names of ``root``'s modules that tensor parallelism distributed."""
+    return frozenset(
+        name for name, module in root.named_modules() if getattr(module, PARALLELIZED_ATTR, False)
+    )
+
+
+def check_not_parallelized_since(root: nn.Module, before: frozenset[str]) -> None:
+    """A ValueError naming the first module that ``parallelize_module`` reached after
+    gs.shard: it found flat shards (or no parameters) where the module's weights were, so
+    it split nothing, or a shard, and forward would fail on mixed tensors, or compute with
+    a split the flat buffers do not know."""
+    for name, module in root.named_modules():
+        if getattr(module, PARALLELIZED_ATTR, False) and name not in before:
+            raise ValueError(
+                f"Module {name or '<root>'!r} was parallelized (parallelize_module or "
+                "distribute_module) after gs.shard; the model's parameters were flat shards "
+                "by then, which tensor parallelism cannot split. Parallelize first, then "
+                "shard: parallelize_module(model, mesh['tp'], plan); gs.shard(model, groups, "
+                "mesh=mesh['dp']) (docs/tensor-parallel.md)."
+            )

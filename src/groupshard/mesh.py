@@ -56,25 +56,6 @@ def mesh_signature(mesh: Any) -> dict[str, Any] | None:
     return {"ranks": mesh.mesh.tolist(), "dim_names": mesh.mesh_dim_names}
 
 
-def check_no_dtensor_parameters(model: Any) -> None:
-    """A ValueError naming the first DTensor parameter of ``model``: tensor parallelism
-    (``parallelize_module``) before ``gs.shard`` is not built yet (issue 52), and an FSDP2
-    model is sharded already. Without it, such a model failed on a misleading mesh error,
-    or at the first copy of a parameter into its flat buffer."""
-    from torch.distributed.tensor import DTensor
-
-    for name, param in model.named_parameters():
-        if isinstance(param, DTensor):
-            raise ValueError(
-                f"Parameter {name!r} is a DTensor on a mesh of shape "
-                f"{tuple(param.device_mesh.mesh.shape)} (dims {param.device_mesh.mesh_dim_names}) "
-                f"with placements {tuple(param.placements)}: from parallelize_module (tensor "
-                "parallelism) or FSDP2's fully_shard. gs.shard does not shard DTensor "
-                "parameters yet (tensor parallelism is in progress): shard the model before "
-                "any of these, without them, or use FSDP2 for 2-D parallelism for now."
-            )
-
-
 def check_mesh(mesh: Any, world: comm.Ranks) -> None:
     """A ValueError (TypeError for a non-mesh) unless ``mesh`` is a 1-D mesh, or a 2-D
     ``("replicate", "shard")`` mesh, over every rank of ``world`` once. Local: every rank

@@ -99,7 +99,7 @@ class SegmentReduction:
     def __init__(self, norm_type: float | str = 2.0) -> None:
         self.norm_type = check_norm_type(norm_type)
         self._partials: list[torch.Tensor] = []
-        self._ranks: list[comm.Ranks | None] = []  # None: complete on this rank
+        self._ranks: list[tuple[comm.Ranks, ...]] = []  # reduced over each, in order
 
     def add(
         self, values: torch.Tensor, like: torch.Tensor | None = None, by_rows: bool = False
@@ -111,8 +111,18 @@ class SegmentReduction:
         """
         like = values if like is None else like
         segments = segments_of(like)
-        self._partials.append(self._partial(values.detach(), segments, by_rows, like.shape))
-        self._ranks.append(segments.ranks if segments and segments.needs_reduce else None)
+        partial = self._partial(values.detach(), segments, by_rows, like.shape)
+        if segments is not None and segments.counted is not None:
+            if by_rows:
+                raise ValueError(
+                    f"Row-wise norms (adaptive gradient clipping's unit-wise norms) of "
+                    f"parameters {list(segments.fqns)} under tensor parallelism are not built "
+                    "yet: their rows are split over the tp ranks."
+                )
+            # a Replicate parameter counted once (where, not a product: 0 * inf is nan)
+            partial = torch.where(segments.counted > 0, partial, 0.0)
+        self._partials.append(partial)
+        self._ranks.append(segments.reduce_over if segments is not None else ())
         return len(self._partials) - 1
 
     def _partial(
@@ -134,24 +144,25 @@ class SegmentReduction:
         return _to_partial(norms, self.norm_type)
 
     def reduce(self) -> list[torch.Tensor]:
-        """Finish every queued partial; one collective per process group (normally one)."""
-        by_group: dict[int, list[int]] = {}
-        for index, ranks in enumerate(self._ranks):
-            if ranks is not None:
-                by_group.setdefault(id(ranks.group), []).append(index)
+        """Finish every queued partial: one collective per process group (normally one;
+        under tensor parallelism one over the shard group, then one over tp)."""
         results = list(self._partials)
-        for indices in by_group.values():
-            ranks = self._ranks[indices[0]]
-            assert ranks is not None
-            flat = torch.cat([results[i] for i in indices])
-            if self.norm_type == math.inf:
-                comm.all_reduce_max(flat, ranks)
-            else:
-                comm.all_reduce_sum(flat, ranks)
-            for index, piece in zip(
-                indices, flat.split([results[i].numel() for i in indices]), strict=True
-            ):
-                results[index] = piece
+        for step in range(max((len(ranks) for ranks in self._ranks), default=0)):
+            by_group: dict[int, list[int]] = {}
+            for index, ranks in enumerate(self._ranks):
+                if len(ranks) > step:
+                    by_group.setdefault(id(ranks[step].group), []).append(index)
+            for indices in by_group.values():
+                ranks = self._ranks[indices[0]][step]
+                flat = torch.cat([results[i] for i in indices])
+                if self.norm_type == math.inf:
+                    comm.all_reduce_max(flat, ranks)
+                else:
+                    comm.all_reduce_sum(flat, ranks)
+                for index, piece in zip(
+                    indices, flat.split([results[i].numel() for i in indices]), strict=True
+                ):
+                    results[index] = piece
         return results
 
     def root(self, total: torch.Tensor) -> torch.Tensor:

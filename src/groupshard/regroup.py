@@ -97,7 +97,7 @@ def regroup(
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         _regroup_zero(model, optimizer, param_groups, default_group, schedulers)
         return
-    state = sharding_state(model, "gs.regroup")
+    state = sharding_state(model, "gs.regroup", "part 2, issue 53")
     error: BaseException | None = None
     try:
         groups, layouts, rebuilds = _plan(model, state, optimizer, param_groups, default_group)

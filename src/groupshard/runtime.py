@@ -30,7 +30,11 @@ from groupshard.buckets import GradientBuckets, reduce_held_partials
 from groupshard.end_of_backward import agree_on_gradients_and_order
 from groupshard.gathers import GatherSchedule
 from groupshard.gradients import register_optimizer_hooks
-from groupshard.guards import check_not_wrapped
+from groupshard.guards import (
+    check_not_parallelized_since,
+    check_not_wrapped,
+    parallelized_modules,
+)
 from groupshard.options import ShardOptions
 from groupshard.storage import FlatStorage
 from groupshard.unit_runtime import UnitRuntime
@@ -50,6 +54,8 @@ class ShardedRuntime:
 
     def __init__(self, units: Sequence[UnitRuntime], options: ShardOptions) -> None:
         self.units = list(units)  # pre-order; units[0] is the root
+        # modules that tensor parallelism had distributed before gs.shard
+        self.parallelized = parallelized_modules(self.units[0].module)
         self.options = options
         self.gathers = GatherSchedule(self.units, options)
         self.buckets = GradientBuckets(options)
@@ -115,6 +121,8 @@ class ShardedRuntime:
                 self.gathers.gather_now(unit)
                 unit.install_views(track_use=torch.is_grad_enabled())
                 return None if unit.policy is None else unit.policy.cast_inputs(args, kwargs)
+            if unit is self.units[0]:
+                check_not_parallelized_since(unit.module, self.parallelized)
             for storage in unit.storages:
                 storage.check_shards()
             check_not_wrapped(

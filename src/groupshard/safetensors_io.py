@@ -163,7 +163,7 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike) -> int:
     Every parameter must be in the file (under any of its names, for tied ones) with its
     shape; an entry the model does not have is an error, on every rank.
     """
-    state = sharding_state(model, "load_safetensors")
+    state = sharding_state(model, "load_safetensors", "part 3, issue 54")
     error: BaseException | None = None
     bytes_read = 0
     try:
@@ -269,7 +269,7 @@ def save_safetensors(model: nn.Module, path: str | os.PathLike) -> None:
     """Write the unsharded model to one safetensors file (parameters under their FQNs,
     tied ones once, and the persistent buffers), unit by unit. A collective: every rank
     calls it; rank 0 writes ``path`` (atomically: a temporary file renamed at the end)."""
-    state = sharding_state(model, "save_safetensors")
+    state = sharding_state(model, "save_safetensors", "part 3, issue 54")
     writer = _Writer(Path(f"{path}.tmp{os.getpid()}"), model) if state.ranks.rank == 0 else None
     for storage in state.storages:
         params = storage.gather_params()  # one unit's parameters at a time

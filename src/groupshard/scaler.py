@@ -63,7 +63,7 @@ class GradScaler(torch.amp.GradScaler):
         if model is not None and process_group is not None:
             raise ValueError("gs.GradScaler takes a model or a process_group, not both")
         if model is not None:
-            self._ranks = sharding_state(model, "gs.GradScaler").ranks
+            self._ranks = sharding_state(model, "gs.GradScaler", "part 2, issue 53").ranks
         else:
             self._ranks = comm.resolve_ranks(process_group)
         if device is None:

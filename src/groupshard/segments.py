@@ -15,6 +15,7 @@ import torch
 
 from groupshard.comm import Ranks
 from groupshard.layout import FlatBufferLayout, Segment
+from groupshard.tensor_parallel import TensorParallelism
 
 SEGMENTS_ATTR = "groupshard_segments"
 
@@ -23,7 +24,10 @@ SEGMENTS_ATTR = "groupshard_segments"
 class ShardSegments:
     """How one shard parameter maps onto the original parameters.
 
-    ``needs_reduce`` is False when this rank holds the whole buffer.
+    ``needs_reduce`` is False when this rank holds the whole buffer. Under tensor
+    parallelism (``tensor_parallel``) the buffer holds the rank's local TP pieces: a sum
+    over the whole model also runs over the tp ranks (``reduce_over``), and counts each
+    parameter's pieces as ``counted`` says.
     """
 
     buffer: FlatBufferLayout
@@ -31,10 +35,37 @@ class ShardSegments:
     ranks: Ranks
     replicated: bool
     device: torch.device
+    tensor_parallel: TensorParallelism | None = None
 
     @property
     def needs_reduce(self) -> bool:
         return not self.replicated and self.ranks.size > 1
+
+    @property
+    def reduce_over(self) -> tuple[Ranks, ...]:
+        """The groups a sum over the whole parameters runs over, in order: the shard group,
+        then the tp group (none: this rank holds the whole buffer)."""
+        data_parallel = (self.ranks,) if self.needs_reduce else ()
+        if self.tensor_parallel is None or self.tensor_parallel.ranks.size < 2:
+            return data_parallel
+        return (*data_parallel, self.tensor_parallel.ranks)
+
+    @cached_property
+    def counted(self) -> torch.Tensor | None:
+        """Per parameter, 1 where this rank's partial counts in a sum over the whole
+        model and 0 where a tp peer counts the same values (``TensorParallelism.counted``);
+        None without tensor parallelism."""
+        if self.tensor_parallel is None:
+            return None
+        weights = [float(self.tensor_parallel.counted(fqn)) for fqn in self.fqns]
+        return torch.tensor(weights, dtype=torch.float64, device=self.device)
+
+    @cached_property
+    def uncounted_pieces(self) -> tuple[Segment, ...]:
+        """The pieces of this shard whose values a tp peer counts (see ``counted``)."""
+        if self.tensor_parallel is None:
+            return ()
+        return tuple(p for p in self.pieces if not self.tensor_parallel.counted(p.fqn))
 
     @property
     def fqns(self) -> tuple[str, ...]:

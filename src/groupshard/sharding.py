@@ -19,6 +19,7 @@ from groupshard.layout import FROZEN_GROUP
 from groupshard.mesh import MeshRanks
 from groupshard.runtime import ShardedRuntime
 from groupshard.storage import FlatStorage
+from groupshard.tensor_parallel import TensorParallelism, refuse_under_tensor_parallelism
 from groupshard.units import UnitPlan
 
 
@@ -32,12 +33,15 @@ class ShardingState:
         runtime: ShardedRuntime,
         original_params: dict[str, nn.Parameter],
         mesh: MeshRanks,
+        tensor_parallel: TensorParallelism | None = None,
     ) -> None:
         self.groups = groups
         self.plan = plan
         self.runtime = runtime
-        self.original_params = original_params  # FQN -> the user's tensor, now its piece
-        self.mesh = mesh  # its world, shard and replicate groups
+        # FQN -> the user's tensor, now its piece (a DTensor's: a plain parameter instead)
+        self.original_params = original_params
+        self.mesh = mesh  # its world (with tensor parallelism: the data-parallel ranks)...
+        self.tensor_parallel = tensor_parallel  # the DTensor parameters, or None
         self.originals_registered = False  # inside summon_full_params / originals_installed
 
     @property
@@ -64,11 +68,18 @@ def is_sharded(model: object) -> bool:
     return isinstance(getattr(model, "groupshard", None), ShardingState)
 
 
-def sharding_state(model: nn.Module, what: str) -> ShardingState:
-    """``model.groupshard``; a TypeError naming ``what`` if ``gs.shard`` did not return it."""
+def sharding_state(
+    model: nn.Module, what: str, tensor_parallel_after: str | None = None
+) -> ShardingState:
+    """``model.groupshard``; a TypeError naming ``what`` if ``gs.shard`` did not return it.
+    ``tensor_parallel_after``: ``what`` is not built for tensor-parallel models yet, and
+    this says when it will be (a ValueError for such a model)."""
     if not is_sharded(model):
         raise TypeError(f"{what} expects a model returned by gs.shard, got {type(model).__name__}")
-    return model.groupshard  # type: ignore[return-value]
+    state: ShardingState = model.groupshard  # type: ignore[assignment]
+    if tensor_parallel_after is not None and state.tensor_parallel is not None:
+        refuse_under_tensor_parallelism(what, tensor_parallel_after)
+    return state
 
 
 def shard_attr_name(buffer_group: int, dtype: torch.dtype) -> str:

@@ -8,6 +8,8 @@ Note: FSDP-style tensor vocabulary
     and group-major (1D); the model's parameters are views of it (one ``split``),
     so autograd delivers a unit's whole gradient as one flat tensor.
     ``unsharded_frozen``: the same for frozen parameters, without gradient.
+    Under tensor parallelism every tensor here holds the rank's *local* TP pieces
+    (``groupshard.tensor_parallel``); ``param_views`` wraps them as DTensors again.
     When the storage is replicated (``layout.world_size == 1``) and computes in its own
     dtype, the unsharded tensors alias ``local`` and gathering is a no-op.
 
@@ -32,6 +34,7 @@ from groupshard.gradients import StorageGradients
 from groupshard.layout import StorageLayout
 from groupshard.mesh import MeshRanks
 from groupshard.segments import ShardSegments, attach_segments
+from groupshard.tensor_parallel import TensorParallelism
 from groupshard.writes import note_parameters_written, parameter_writes
 
 
@@ -58,8 +61,17 @@ class FlatStorage:
         compute_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
         unsharded: torch.Tensor | None = None,
+        tensor_parallel: TensorParallelism | None = None,
     ) -> None:
         self.layout = layout
+        # the DTensor parameters among ours, stored as their local pieces
+        self.tensor_parallel = tensor_parallel
+        self._tp_params = {
+            slot.fqn: tensor_parallel.params[slot.fqn]
+            for b in layout.buffers
+            for slot in b.params
+            if tensor_parallel is not None and slot.fqn in tensor_parallel.params
+        }
         self.ranks = ranks = mesh.shard  # the shard group
         self.replicas = mesh.replicate  # hold the same shards; gradients all-reduced across
         self.world = mesh.world  # every rank of the model
@@ -79,7 +91,9 @@ class FlatStorage:
             for i, b in enumerate(layout.buffers)
         ]
         for shard, buffer in zip(self.shards, layout.buffers, strict=True):
-            segments = ShardSegments(buffer, self.shard_rank, ranks, self.replicated, device)
+            segments = ShardSegments(
+                buffer, self.shard_rank, ranks, self.replicated, device, tensor_parallel
+            )
             attach_segments(shard, segments)
         trainable, frozen = layout.trainable_unsharded_numel, layout.frozen_unsharded_numel
         if self.aliases_local:
@@ -298,6 +312,8 @@ class FlatStorage:
                 chunk = chunks[position]
                 # a view op costs as much as the split: make one only where the shape differs
                 views[fqn] = chunk if len(shape) == 1 else chunk.view(shape)
+                if fqn in self._tp_params:  # the DTensor around the local piece
+                    views[fqn] = self._tp_params[fqn].wrap(views[fqn])
             if track_use and source is self.unsharded_trainable and chunks[0].grad_fn is not None:
                 # one hook per storage and forward, one call per backward
                 chunks[0].grad_fn.register_prehook(self.gradients.note_used)

@@ -43,6 +43,7 @@ from groupshard.checkpoint.planner import Piece
 from groupshard.full_state import check_optimizer
 from groupshard.optim.whole import WholeParamOptimizer
 from groupshard.segments import ShardSegments, segments_of
+from groupshard.sharding import sharding_state
 from groupshard.writes import note_parameters_written
 from groupshard.zero import ZeroRedundancyOptimizer
 
@@ -391,7 +392,8 @@ class ShardedHolder(Holder):
 
     def __init__(self, model: ShardedModule, optimizer: torch.optim.Optimizer | None) -> None:
         self.model = self.module = model
-        self.state = model.groupshard
+        what = "Checkpoints (gs.checkpoint, torch's get_state_dict)"
+        self.state = sharding_state(model, what, "part 3, issue 54")
         self.ranks = self.state.ranks
         self.optimizer = optimizer
         if optimizer is not None:

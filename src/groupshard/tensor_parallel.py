@@ -1,0 +1,224 @@
+"""Tensor-parallel parameters (torch's ``parallelize_module``) in groupshard's flat storage.
+
+A parameter that ``parallelize_module`` split over a 1-D ``tp`` mesh is a DTensor. gs.shard
+stores its *local piece* (``to_local()``): flat buffers hold each rank's local pieces and
+shard them over the data-parallel ranks only, as FSDP2 shards a DTensor's local tensor
+(``_fsdp_param.py``). After a gather, ``wrap`` rebuilds the DTensor around the gathered
+piece with its mesh, placement, global shape and stride, so torch's TP hooks run unchanged;
+``DTensor.from_local``'s backward brings a gradient to the parameter's placement (a Partial
+one, from sequence parallelism's norms, is all-reduced over tp) before groupshard's
+data-parallel reduction.
+
+Everything that must know a parameter's place in the whole tensor lives here: which pieces
+a norm counts (a Shard-placed parameter's pieces add over tp; a Replicate one, or a plain
+parameter of a TP'd model, is the same on every tp rank and is counted by tp rank 0 only),
+and how a whole parameter is put together from the tp ranks' pieces (``comm`` moves them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from groupshard import comm
+
+SUPPORTED_PLACEMENTS = "Shard(0), Shard(1) or Replicate()"
+
+
+@dataclass(frozen=True)
+class TensorParallelParam:
+    """How one DTensor parameter is split over the tp mesh."""
+
+    mesh: Any  # the 1-D tp DeviceMesh
+    placement: Any  # Shard(0), Shard(1) or Replicate()
+    shape: torch.Size  # the whole parameter's
+    stride: tuple[int, ...]
+
+    @property
+    def shard_dim(self) -> int | None:
+        """The dimension its pieces split, or None when every tp rank holds all of it."""
+        from torch.distributed.tensor import Shard
+
+        return self.placement.dim if isinstance(self.placement, Shard) else None
+
+    def wrap(self, local: torch.Tensor) -> torch.Tensor:
+        """``local`` (this rank's piece, in the local shape) as the DTensor parameter."""
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(
+            local, self.mesh, (self.placement,), run_check=False, shape=self.shape,
+            stride=self.stride,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TensorParallelism:
+    """A model's tensor-parallel parameters (by FQN) and the tp ranks they are split over."""
+
+    params: Mapping[str, TensorParallelParam]
+    ranks: comm.Ranks  # the tp group
+
+    def counted(self, fqn: str) -> bool:
+        """Whether this rank's piece of ``fqn`` counts in a norm over the whole model: a
+        Shard-placed parameter's pieces differ and add up; anything else is the same on
+        every tp rank, counted once (by tp rank 0), not tp times."""
+        param = self.params.get(fqn)
+        return (param is not None and param.shard_dim is not None) or self.ranks.rank == 0
+
+    def whole(self, fqn: str, local: torch.Tensor) -> torch.Tensor:
+        """The whole parameter from every tp rank's ``local`` piece (collective over tp for a
+        Shard-placed parameter; every tp rank must call it for the same ``fqn``)."""
+        param = self.params.get(fqn)
+        if param is None or param.shard_dim is None:
+            return local
+        pieces = local.new_empty((self.ranks.size, *local.shape))
+        comm.all_gather(pieces, local.contiguous(), self.ranks)
+        return torch.cat(pieces.unbind(0), dim=param.shard_dim)
+
+
+def local_parameters(
+    params: Mapping[str, nn.Parameter], tensor_parallel: TensorParallelism | None
+) -> dict[str, nn.Parameter]:
+    """``params`` with each DTensor parameter replaced by a plain parameter holding its local
+    piece: what the flat buffers store, and what the parameter's name shows outside
+    forward (this rank's part of its piece, as for any sharded parameter)."""
+    if tensor_parallel is None:
+        return dict(params)
+    return {
+        fqn: nn.Parameter(param.to_local().detach(), requires_grad=param.requires_grad)
+        if fqn in tensor_parallel.params
+        else param
+        for fqn, param in params.items()
+    }
+
+
+def find_tensor_parallelism(
+    params: Mapping[str, nn.Parameter], mesh: Any, world: comm.Ranks, strategy: str
+) -> TensorParallelism | None:
+    """The model's tensor parallelism, checked, or None without DTensor parameters.
+
+    Raises:
+        ValueError: naming the parameter, for what gs.shard cannot shard: a DTensor on a
+            mesh of more than one dimension (FSDP2's), a placement other than Shard(0),
+            Shard(1) or Replicate, pieces of different sizes, parameters on different tp
+            meshes; or a ``mesh`` that is not the data-parallel dimension of the tp mesh's
+            mesh.
+    """
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    found: dict[str, TensorParallelParam] = {}
+    tp_mesh = None
+    for fqn, param in params.items():
+        if not isinstance(param, DTensor):
+            continue
+        where = (
+            f"Parameter {fqn!r} is a DTensor on a mesh of shape "
+            f"{tuple(param.device_mesh.mesh.shape)} (dims {param.device_mesh.mesh_dim_names}) "
+            f"with placements {tuple(param.placements)}"
+        )
+        if param.device_mesh.ndim != 1:
+            raise ValueError(
+                f"{where}: gs.shard takes parameters split over one tensor-parallel dimension "
+                "(parallelize_module(model, mesh['tp'], plan)); a model already sharded by "
+                "FSDP2's fully_shard cannot be sharded again."
+            )
+        placement = param.placements[0]
+        # type(), not isinstance: FSDP2's _StridedShard is a Shard
+        if not (placement == Replicate() or (type(placement) is Shard and placement.dim in (0, 1))):
+            raise ValueError(
+                f"{where}: gs.shard takes tensor-parallel placements {SUPPORTED_PLACEMENTS} "
+                "(torch's ColwiseParallel, RowwiseParallel and SequenceParallel give these)."
+            )
+        if tp_mesh is None:
+            tp_mesh = param.device_mesh
+        elif param.device_mesh != tp_mesh:
+            raise ValueError(
+                f"{where}, but other parameters are on the mesh {tp_mesh}: gs.shard takes "
+                "parameters split over one tensor-parallel mesh."
+            )
+        size = tp_mesh.size()
+        if type(placement) is Shard and param.shape[placement.dim] % size:
+            raise ValueError(
+                f"{where}: its dimension {placement.dim} ({param.shape[placement.dim]}) does "
+                f"not divide evenly over the {size} tensor-parallel ranks; gs.shard takes "
+                "even pieces (make that dimension a multiple of the tp size)."
+            )
+        found[fqn] = TensorParallelParam(
+            tp_mesh, placement, param.shape, tuple(param.stride())
+        )
+    if tp_mesh is None:
+        return None
+    _check_data_parallel_mesh(next(iter(found)), tp_mesh, mesh, world, strategy)
+    return TensorParallelism(found, comm.resolve_ranks(tp_mesh.get_group()))
+
+
+def _check_data_parallel_mesh(
+    fqn: str, tp_mesh: Any, mesh: Any, world: comm.Ranks, strategy: str
+) -> None:
+    """A ValueError unless ``mesh`` is the 1-D data-parallel dimension of the mesh whose
+    other dimension is ``tp_mesh``: their ranks cross in this rank alone and together
+    cover the world."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    tp_names = tp_mesh.mesh_dim_names
+    example = "mesh=mesh['dp'] of init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp'))"
+    if not isinstance(mesh, DeviceMesh):
+        raise ValueError(
+            f"Parameter {fqn!r} is split over the tensor-parallel mesh {tuple(tp_names or ())} "
+            f"(ranks {tp_mesh.mesh.tolist()}); gs.shard then needs the data-parallel "
+            f"dimension of the same mesh as {example}, not "
+            f"{'a process group' if mesh is None else type(mesh).__name__}."
+        )
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"gs.shard of a tensor-parallel model (parameter {fqn!r}) takes a 1-D data-parallel "
+            f"mesh ({example}); got a {mesh.ndim}-D mesh with dims {mesh.mesh_dim_names} "
+            "(hybrid sharding with tensor parallelism is not built yet)."
+        )
+    if strategy not in ("full", "grad_op", "no_shard"):
+        return  # the strategy's own check names it
+    dp_ranks = set(mesh.mesh.flatten().tolist())
+    tp_ranks = set(tp_mesh.mesh.flatten().tolist())
+    me = world.rank
+    if dp_ranks & tp_ranks != {me} or len(dp_ranks) * len(tp_ranks) != world.size:
+        raise ValueError(
+            f"mesh= holds ranks {sorted(dp_ranks)} and parameter {fqn!r} is split over ranks "
+            f"{sorted(tp_ranks)} (tp): the data-parallel and tensor-parallel dimensions must "
+            f"be the two dimensions of one mesh over all {world.size} ranks, crossing in "
+            f"this rank ({me}) alone: pass {example}."
+        )
+
+
+def check_tensor_parallel_options(meta: bool, mixed_precision: Any) -> None:
+    """A ValueError for what gs.shard does not do with tensor parallelism yet."""
+    if meta:
+        refuse_under_tensor_parallelism(
+            "Building on the meta device (param_init_fn)", "part 3, issue 54: build the model "
+            "on a real device, then parallelize_module and gs.shard"
+        )
+    if mixed_precision is not None:
+        refuse_under_tensor_parallelism(
+            "mixed_precision", "part 2, issue 53: shard without it, in the parameters' dtype"
+        )
+
+
+def refuse_under_tensor_parallelism(what: str, when: str) -> None:
+    """The one error for what is not built for tensor-parallel models yet."""
+    raise ValueError(
+        f"{what} with tensor parallelism (DTensor parameters from parallelize_module) is not "
+        f"built yet ({when})."
+    )
+
+
+def tensor_parallel_signature(tensor_parallel: TensorParallelism | None) -> Any:
+    """What ranks must pass alike: each DTensor parameter's placement and whole shape."""
+    if tensor_parallel is None:
+        return None
+    return {
+        fqn: (str(param.placement), tuple(param.shape))
+        for fqn, param in tensor_parallel.params.items()
+    }
