@@ -273,14 +273,16 @@ def emulated_cast_step(
     return losses
 
 
-def run_under_torchrun(arguments: list[str], folder: Path, timeout: float = 240) -> str:
-    """``torchrun --standalone --nproc-per-node 2 *arguments`` in ``folder``, as a user runs
-    a script; its stdout. Fails with the workers' own stderr (their real error), and on a
-    hang at ``timeout``."""
+def run_under_torchrun(
+    arguments: list[str], folder: Path, timeout: float = 240, nproc: int = 2
+) -> str:
+    """``torchrun --standalone --nproc-per-node {nproc} *arguments`` in ``folder``, as a user
+    runs a script; its stdout. Fails with the workers' own stderr (their real error), and on
+    a hang at ``timeout``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
     result = subprocess.run(
-        [*command, "2", *arguments], env=env, cwd=folder, capture_output=True, text=True,
+        [*command, str(nproc), *arguments], env=env, cwd=folder, capture_output=True, text=True,
         timeout=timeout,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-6000:]

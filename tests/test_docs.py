@@ -26,6 +26,9 @@ SCRIPTS = {
     r"norm ([\d.]+), its gradient ([\d.]+); 9 layers reported",
     ("mixed-precision-and-accumulation.md", 0): r"bf16, 4 micro-batches a step: 10 steps, "
     r"last micro-batch loss ([\d.]+), gradient norm ([\d.]+)",
+    ("tensor-parallel.md", 0): r"mesh \(2, 2\) \('dp', 'tp'\): 10 steps, loss ([\d.]+); rank 0 "
+    r"holds (\d+) of (\d+) elements; one process differs by ([\d.e+-]+); head.weight norm "
+    r"([\d.]+)",
     ("regroup.md", 0): r"10 steps, the backbone unfrozen at step 5: loss ([\d.]+), "
     r"learning rates 1.50e-03, 5.00e-05",
     ("whole-param-optimizers.md", 0): r"Adafactor: 10 steps, loss ([\d.]+); rank 0 steps "
@@ -37,14 +40,15 @@ shows that line). Each guide's first block; every block of integrations.md."""
 # scripts of torch and groupshard alone run one after another in one launch (guide_runner);
 # those of Hugging Face's libraries and Lightning, which keep process-wide state
 # (accelerate's PartialState), each in its own
-OWN_LAUNCH = {"integrations.md", "lightning.md"}
+OWN_LAUNCH = {"integrations.md", "lightning.md", "tensor-parallel.md"}
+NPROC = {"tensor-parallel.md": 4}  # a 2 x 2 (dp, tp) mesh; the others run on 2 processes
 GUIDES_WITHOUT_CODE = {"muon-design.md", "overlap.md", "usage.md", "when-something-fails.md"}
 
 
-def run_script(text: str, folder: Path) -> str:
+def run_script(text: str, folder: Path, nproc: int = 2) -> str:
     path = folder / "script.py"
     path.write_text(text)
-    return run_under_torchrun([str(path)], folder)
+    return run_under_torchrun([str(path)], folder, nproc=nproc)
 
 
 def _crossed_equals_alone(crossed: str, alone: str) -> bool:
@@ -63,6 +67,12 @@ def _about_half(held: str, total: str, *rest: str) -> bool:
     return int(total) // 2 <= int(held) <= int(total) // 2 + 64
 
 
+def _a_quarter_and_one_process(loss: str, held: str, total: str, differs: str, norm: str) -> bool:
+    """At 2 x 2 a rank holds about a quarter of the model (the norms' weights are split over
+    dp only), and the weights are one process's to float precision."""
+    return 0.2 <= int(held) / int(total) <= 0.35 and float(differs) < 2e-5
+
+
 def _some_but_not_all(loss: str, owned: str) -> bool:
     return 0 < int(owned) < 18
 
@@ -74,6 +84,7 @@ CHECKS = {
     ("whole-param-optimizers.md", 0): _some_but_not_all,
     ("checkpoints.md", 0): _crossed_equals_alone,
     ("integrations.md", 1): _state_for_a_shard_of_lora_only,
+    ("tensor-parallel.md", 0): _a_quarter_and_one_process,
 }
 
 
@@ -89,7 +100,8 @@ def _check_printed(guide: str, index: int, printed: str) -> None:
 
 @pytest.mark.parametrize("guide, index", sorted(k for k in SCRIPTS if k[0] in OWN_LAUNCH))
 def test_the_guides_scripts_run_as_written(tmp_path, guide, index):
-    _check_printed(guide, index, run_script(guide_script(guide, index), tmp_path))
+    script = guide_script(guide, index)
+    _check_printed(guide, index, run_script(script, tmp_path, NPROC.get(guide, 2)))
 
 
 def test_the_other_guides_scripts_run_as_written_in_one_launch(tmp_path, monkeypatch):
