@@ -100,7 +100,13 @@ def training_case(rank: int, world_size: int, strategy: str, sequence_parallel: 
         (full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters()
     )
     local = sum(s.local.numel() for s in model.groupshard.storages)
-    result["elements"] = local / sum(p.numel() for p in reference.parameters())
+    total = sum(p.numel() for p in reference.parameters())
+    result["elements"] = local / total
+    assert model.num_unsharded_parameters() == total  # whole parameters, as before gs.shard
+    report = {row["name"]: row for row in gs.norm_report(model)}
+    for name, param in reference.named_parameters():
+        assert report[name]["numel"] == param.numel(), name
+        assert abs(report[name]["param_norm"] - param.norm().item()) < TOLERANCE, name
     return result
 
 

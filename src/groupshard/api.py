@@ -79,8 +79,9 @@ class ShardedModule(nn.Module):
         ``sum(p.numel() for p in model.parameters())`` gave before ``gs.shard``. After it,
         ``parameters()`` are this rank's flat shards, padding included, so that sum counts
         those (a flat layout cannot make it the model's count); no communication."""
+        tensor_parallel = self.groupshard.tensor_parallel
         return sum(
-            slot.numel
+            slot.numel if tensor_parallel is None else tensor_parallel.numel(slot.fqn, slot.numel)
             for storage in self.groupshard.storages
             for buffer in storage.layout.buffers
             if buffer.group_index >= 0 or not trainable_only

@@ -274,7 +274,10 @@ def norm_report(model: nn.Module, by: str = "parameter") -> list[dict[str, Any]]
             entry = squares.setdefault(name, {})
             entry[kind] = entry.get(kind, 0.0) + total
             if kind == "param_norm":
-                numels[name] = numels.get(name, 0) + slot.numel
+                numel = slot.numel if segments.tensor_parallel is None else (
+                    segments.tensor_parallel.numel(slot.fqn, slot.numel)
+                )  # fmt: skip
+                numels[name] = numels.get(name, 0) + numel
     return [
         {
             "name": name,

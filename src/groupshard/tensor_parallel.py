@@ -69,6 +69,11 @@ class TensorParallelism:
         param = self.params.get(fqn)
         return (param is not None and param.shard_dim is not None) or self.ranks.rank == 0
 
+    def numel(self, fqn: str, local_numel: int) -> int:
+        """The whole parameter's elements, from its local piece's."""
+        param = self.params.get(fqn)
+        return local_numel if param is None else param.shape.numel()
+
     def whole(self, fqn: str, local: torch.Tensor) -> torch.Tensor:
         """The whole parameter from every tp rank's ``local`` piece (collective over tp for a
         Shard-placed parameter; every tp rank must call it for the same ``fqn``)."""
