@@ -5,12 +5,17 @@ data), with torchtitan's Llama plan, with and without sequence parallelism."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointWrapper,
+    apply_activation_checkpointing,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -216,3 +221,122 @@ def test_what_it_cannot_take_is_refused_naming_the_parameter_on_every_rank(run_r
         tp = ", ".join(map(str, (rank - rank % 2, rank - rank % 2 + 1)))  # this rank's tp peers
         for case, expected in EXPECTED_ERRORS.items():
             assert errors[case].startswith(expected.format(tp=tp)), (rank, case, errors[case])
+
+
+def _optimizers(name: str, model: nn.Module, reference: nn.Module):
+    """The same optimizer over the sharded model's groups and over the plain model's."""
+
+    def build(groups):
+        if name == "lamb":
+            return gs.optim.LAMB(groups, lr=1e-2, weight_decay=0.01)
+        if name == "lars":
+            return gs.optim.LARS(groups, lr=0.5, weight_decay=1e-4, trust_coefficient=0.01)
+        if name == "larc":
+            return gs.optim.LARC(torch.optim.SGD(groups, lr=0.5), trust_coefficient=0.02)
+        if name == "agc":
+            return gs.optim.AGC(torch.optim.SGD(groups, lr=0.5), clipping=0.01)
+        return torch.optim.AdamW(groups, lr=1e-2)
+
+    return build(model.optimizer_groups()), build(gs.decay_groups(reference, 0.1))
+
+
+def regime_case(rank: int, world_size: int, name: str) -> dict:
+    """Four steps under sequence parallelism with ``name``: a layer-wise optimizer (its trust
+    ratios from whole-parameter norms), 2 micro-batches under ``no_sync``, or activation
+    checkpointing of every block; the largest difference of the weights from one process,
+    and the gradient reductions started during the micro-batch without sync."""
+    mesh = _mesh()
+    dp_rank = mesh["dp"].get_local_rank()
+    config = LlamaConfig()
+    torch.manual_seed(0)
+    reference = Llama(config)
+    model = parallelize_llama(copy.deepcopy(reference), mesh["tp"], sequence_parallel=True)
+    unit = Block
+    if name == "checkpointing":  # torchtitan's order: TP, then activation checkpointing
+        apply_activation_checkpointing(model, check_fn=lambda module: isinstance(module, Block))
+        unit = CheckpointWrapper
+    model = gs.shard(model, gs.decay_groups(model, 0.1), unit=unit, mesh=mesh["dp"])
+    optimizer, reference_optimizer = _optimizers(name, model, reference)
+    micro_batches = 2 if name == "accumulation" else 1
+    counts: dict[str, int] = {}
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(STEPS):
+        # 4 rows, as training_case: with 8 AdamW turns the float noise of splitting the batch
+        # over dp (TP or not) into 5e-5 at 4 steps, which LAMB's trust ratios keep at 5e-7
+        tokens = torch.randint(0, config.vocab, (4, config.seq + 1), generator=generator)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        mine = range(2 * dp_rank, 2 * dp_rank + 2)  # this dp rank's half of the global batch
+        for micro, rows in enumerate(torch.tensor(mine).chunk(micro_batches)):
+            last = micro == micro_batches - 1
+            with contextlib.ExitStack() as stack:
+                if not last:
+                    stack.enter_context(model.no_sync())
+                    for collective in ("reduce_scatter_mean", "all_reduce_mean"):
+                        original, counted = _counting(counts, collective)
+                        stack.callback(setattr, comm, collective, original)
+                        setattr(comm, collective, counted)
+                logits = model(inputs[rows])
+                loss = F.cross_entropy(logits.flatten(0, 1), targets[rows].flatten())
+                (loss / micro_batches).backward()
+        F.cross_entropy(reference(inputs).flatten(0, 1), targets.flatten()).backward()
+        gs.clip_grad_norm_(model, MAX_NORM)
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
+        for each in (optimizer, reference_optimizer):
+            each.step()
+            each.zero_grad()
+    full = gs.full_state_dict(model)  # checkpoint_wrapper's state-dict hook drops its prefix
+    weights = max(
+        (full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters()
+    )
+    return {"weights": weights, "reductions without sync": sum(counts.values())}
+
+
+@pytest.mark.parametrize(
+    "name", ["lamb", "lars", "larc", "agc", "accumulation", "checkpointing"]
+)
+def test_layerwise_optimizers_and_the_regime_under_sequence_parallelism(run_ranks, name):
+    for rank, result in enumerate(run_ranks(4, regime_case, name)):
+        assert result["weights"] < TOLERANCE, (rank, result)
+        assert result["reductions without sync"] == 0, (rank, result)
+
+
+def three_d_case(rank: int, world_size: int) -> dict:
+    """A (replicate, shard, tp) = (2, 2, 2) mesh at world 8, gs.shard over
+    ``mesh["replicate", "shard"]``: four AdamW steps under sequence parallelism clipped by
+    torch's clip_grad_norm_, against one process; the share of the model a rank holds."""
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
+    data_rank = mesh["replicate"].get_local_rank() * 2 + mesh["shard"].get_local_rank()
+    config = LlamaConfig()
+    torch.manual_seed(0)
+    reference = Llama(config)
+    model = parallelize_llama(copy.deepcopy(reference), mesh["tp"], sequence_parallel=True)
+    model = gs.shard(model, gs.decay_groups(model, 0.1), unit=Block,
+                     mesh=mesh["replicate", "shard"])  # fmt: skip
+    optimizer, reference_optimizer = _optimizers("adamw", model, reference)
+    generator = torch.Generator().manual_seed(1)
+    totals = 0.0
+    for _ in range(STEPS):
+        tokens = torch.randint(0, config.vocab, (4, config.seq + 1), generator=generator)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        mine = slice(data_rank, data_rank + 1)  # a row per data-parallel rank
+        F.cross_entropy(model(inputs[mine]).flatten(0, 1), targets[mine].flatten()).backward()
+        F.cross_entropy(reference(inputs).flatten(0, 1), targets.flatten()).backward()
+        total = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        wanted = torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
+        totals = max(totals, abs(total - wanted).item())
+        for each in (optimizer, reference_optimizer):
+            each.step()
+            each.zero_grad()
+    full = gs.full_state_dict(model)
+    weights = max(
+        (full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters()
+    )
+    local = sum(s.local.numel() for s in model.groupshard.storages)
+    total_elements = sum(p.numel() for p in reference.parameters())
+    return {"weights": weights, "total_norm": totals, "elements": local / total_elements}
+
+
+def test_three_d_mesh_replicates_shards_and_splits_as_one_process(run_ranks):
+    for rank, result in enumerate(run_ranks(8, three_d_case)):
+        assert result["weights"] < TOLERANCE and result["total_norm"] < TOLERANCE, (rank, result)
+        assert 0.2 <= result["elements"] <= 0.35, (rank, result)  # 1 / (shard x tp), near

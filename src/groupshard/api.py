@@ -49,6 +49,7 @@ from groupshard.storage import FlatStorage
 from groupshard.tensor_parallel import (
     TensorParallelism,
     check_tensor_parallel_options,
+    data_parallel_ranks,
     find_tensor_parallelism,
     local_parameters,
     tensor_parallel_signature,
@@ -464,7 +465,7 @@ def shard(
             dict(model.named_parameters()), mesh, ranks, strategy
         )
         if tensor_parallel is not None:  # every strategy runs over the data-parallel ranks
-            sharding = MeshRanks.flat(comm.resolve_ranks(mesh.get_group()))
+            sharding = data_parallel_ranks(mesh, strategy)
         elif mesh is not None:
             check_mesh(mesh, ranks)
             sharding = mesh_ranks(mesh, ranks, strategy)

@@ -100,6 +100,8 @@ class SegmentReduction:
         self.norm_type = check_norm_type(norm_type)
         self._partials: list[torch.Tensor] = []
         self._ranks: list[tuple[comm.Ranks, ...]] = []  # reduced over each, in order
+        # row-wise partials under tensor parallelism: which rows the tp step (last) sums
+        self._rows_over_tp: list[torch.Tensor | None] = []
 
     def add(
         self, values: torch.Tensor, like: torch.Tensor | None = None, by_rows: bool = False
@@ -112,17 +114,15 @@ class SegmentReduction:
         like = values if like is None else like
         segments = segments_of(like)
         partial = self._partial(values.detach(), segments, by_rows, like.shape)
+        rows_over_tp = None
         if segments is not None and segments.counted is not None:
-            if by_rows:
-                raise ValueError(
-                    f"Row-wise norms (adaptive gradient clipping's unit-wise norms) of "
-                    f"parameters {list(segments.fqns)} under tensor parallelism are not built "
-                    "yet: their rows are split over the tp ranks."
-                )
-            # a Replicate parameter counted once (where, not a product: 0 * inf is nan)
-            partial = torch.where(segments.counted > 0, partial, 0.0)
+            if by_rows:  # rows split over tp add up there; the others are whole already
+                rows_over_tp = segments.tp_summed_rows
+            else:  # a Replicate parameter counted once (where, not a product: 0 * inf is nan)
+                partial = torch.where(segments.counted > 0, partial, 0.0)
         self._partials.append(partial)
         self._ranks.append(segments.reduce_over if segments is not None else ())
+        self._rows_over_tp.append(rows_over_tp)
         return len(self._partials) - 1
 
     def _partial(
@@ -154,16 +154,29 @@ class SegmentReduction:
                     by_group.setdefault(id(ranks[step].group), []).append(index)
             for indices in by_group.values():
                 ranks = self._ranks[indices[0]][step]
-                flat = torch.cat([results[i] for i in indices])
+                sent = [self._masked(results[i], i, step) for i in indices]
+                flat = torch.cat(sent)
                 if self.norm_type == math.inf:
                     comm.all_reduce_max(flat, ranks)
                 else:
                     comm.all_reduce_sum(flat, ranks)
-                for index, piece in zip(
-                    indices, flat.split([results[i].numel() for i in indices]), strict=True
-                ):
-                    results[index] = piece
+                pieces = flat.split([t.numel() for t in sent])
+                for index, piece in zip(indices, pieces, strict=True):
+                    rows = self._rows_over(index, step)
+                    kept = results[index]
+                    results[index] = piece if rows is None else torch.where(rows, piece, kept)
         return results
+
+    def _rows_over(self, index: int, step: int) -> torch.Tensor | None:
+        """At the tp step (the last) of a row-wise partial: the rows tp sums, else None."""
+        if step != len(self._ranks[index]) - 1:
+            return None
+        return self._rows_over_tp[index]
+
+    def _masked(self, partial: torch.Tensor, index: int, step: int) -> torch.Tensor:
+        """What ``partial`` sends at ``step``: zeros for rows whole on this rank already."""
+        rows = self._rows_over(index, step)
+        return partial if rows is None else torch.where(rows, partial, 0.0)
 
     def root(self, total: torch.Tensor) -> torch.Tensor:
         """Turn a reduced ``sum |x|^p`` into the p-norm (the inf norm is already one)."""

@@ -61,6 +61,22 @@ class ShardSegments:
         return torch.tensor(weights, dtype=torch.float64, device=self.device)
 
     @cached_property
+    def tp_summed_rows(self) -> torch.Tensor | None:
+        """Per row of the buffer (see ``FlatBufferLayout.row_numels``), whether the row is
+        split over the tp ranks, so its sums add over tp: every row of a Shard(1) matrix,
+        and a Shard(0) vector (one row). A Shard(0) matrix's rows are whole on their tp
+        rank, and a Replicate parameter's are the same on every tp rank. None without
+        tensor parallelism."""
+        if self.tensor_parallel is None:
+            return None
+        flags = []
+        for slot, rows in zip(self.buffer.params, self.buffer.row_counts(), strict=True):
+            param = self.tensor_parallel.params.get(slot.fqn)
+            dim = None if param is None else param.shard_dim
+            flags += [dim == 1 or (dim == 0 and len(slot.shape) < 2)] * rows
+        return torch.tensor(flags, dtype=torch.bool, device=self.device)
+
+    @cached_property
     def uncounted_pieces(self) -> tuple[Segment, ...]:
         """The pieces of this shard whose values a tp peer counts (see ``counted``)."""
         if self.tensor_parallel is None:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from groupshard import comm
+from groupshard.mesh import MESH_DIM_NAMES, MeshRanks
 
 SUPPORTED_PLACEMENTS = "Shard(0), Shard(1) or Replicate()"
 
@@ -178,11 +179,12 @@ def _check_data_parallel_mesh(
             f"dimension of the same mesh as {example}, not "
             f"{'a process group' if mesh is None else type(mesh).__name__}."
         )
-    if mesh.ndim != 1:
+    if mesh.ndim not in (1, 2) or (mesh.ndim == 2 and mesh.mesh_dim_names != MESH_DIM_NAMES):
         raise ValueError(
             f"gs.shard of a tensor-parallel model (parameter {fqn!r}) takes a 1-D data-parallel "
-            f"mesh ({example}); got a {mesh.ndim}-D mesh with dims {mesh.mesh_dim_names} "
-            "(hybrid sharding with tensor parallelism is not built yet)."
+            f"mesh ({example}) or, to shard and replicate (3-D), its 2-D mesh with dims "
+            f"{MESH_DIM_NAMES} (mesh['replicate', 'shard']); got a {mesh.ndim}-D mesh with "
+            f"dims {mesh.mesh_dim_names}."
         )
     if strategy not in ("full", "grad_op", "no_shard"):
         return  # the strategy's own check names it
@@ -227,3 +229,18 @@ def tensor_parallel_signature(tensor_parallel: TensorParallelism | None) -> Any:
         fqn: (str(param.placement), tuple(param.shape))
         for fqn, param in tensor_parallel.params.items()
     }
+
+
+def data_parallel_ranks(mesh: Any, strategy: str) -> MeshRanks:
+    """The groups of a tensor-parallel model's data-parallel ``mesh`` (checked by
+    ``find_tensor_parallelism``): a 1-D mesh shards over it; a 2-D ``("replicate",
+    "shard")`` one shards over "shard" and replicates over "replicate", its ranks flattened
+    into one group (torchtitan's ``_flatten``) as the model's world. ``no_shard``
+    replicates over every data-parallel rank."""
+    world = comm.resolve_ranks((mesh if mesh.ndim == 1 else mesh._flatten()).get_group())
+    if mesh.ndim == 1 or strategy == "no_shard":
+        return MeshRanks.flat(world)
+    return MeshRanks(
+        world, comm.resolve_ranks(mesh.get_group("shard")),
+        comm.resolve_ranks(mesh.get_group("replicate")),
+    )  # fmt: skip
