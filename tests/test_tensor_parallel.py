@@ -22,6 +22,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import groupshard as gs
 from groupshard import comm
+from test_muon import set_shard_grads
 from tp_llama import Block, Llama, LlamaConfig, parallelize_llama
 
 STEPS = 4
@@ -165,13 +166,6 @@ def bad_input_case(rank: int, world_size: int) -> dict[str, str]:
         )
         model(torch.zeros(2, 4, dtype=torch.long))
 
-    def muon():
-        model = _tp_sequential(tp)
-        model = gs.shard(model, gs.muon_groups(model), mesh=dp)
-        optimizer = gs.optim.Muon(model.optimizer_groups())
-        model(torch.randn(2, 8)).sum().backward()
-        optimizer.step()
-
     cases = {
         "placement": with_parameter(distribute_tensor(torch.randn(2, 2, 4), tp, [Shard(2)])),
         "2-D mesh": with_parameter(
@@ -181,7 +175,6 @@ def bad_input_case(rank: int, world_size: int) -> dict[str, str]:
         "process group": lambda: gs.shard(_tp_sequential(tp), process_group=dp.get_group()),
         "tp as dp": lambda: gs.shard(_tp_sequential(tp), mesh=tp),
         "parallelized after": parallelized_after_sharding,
-        "muon": muon,
         "whole": lambda: gs.optim.WholeParamOptimizer(
             sharded().optimizer_groups(), torch.optim.Adafactor
         ).step(),
@@ -207,8 +200,7 @@ EXPECTED_ERRORS = {
     "ranks [{tp}] (tp): the data-parallel and tensor-parallel dimensions must be the two",
     "parallelized after": "ValueError: Module 'tok_embeddings' was parallelized "
     "(parallelize_module or distribute_module) after gs.shard",
-    "muon": "ValueError: Muon or gs.optim.WholeParamOptimizer over parameters",
-    "whole": "ValueError: Muon or gs.optim.WholeParamOptimizer over parameters",
+    "whole": "ValueError: gs.optim.WholeParamOptimizer over parameters",
     "checkpoint": "ValueError: Checkpoints (gs.checkpoint, torch's get_state_dict) with tensor "
     "parallelism (DTensor parameters from parallelize_module) is not built yet (part 3",
     "load_state_dict": "ValueError: load_full_state_dict with tensor parallelism",
@@ -340,3 +332,84 @@ def test_three_d_mesh_replicates_shards_and_splits_as_one_process(run_ranks):
     for rank, result in enumerate(run_ranks(8, three_d_case)):
         assert result["weights"] < TOLERANCE and result["total_norm"] < TOLERANCE, (rank, result)
         assert 0.2 <= result["elements"] <= 0.35, (rank, result)  # 1 / (shard x tp), near
+
+
+def _local_gradients(model, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The full gradients ``grads`` cut to this tp rank's pieces (a DTensor parameter's)."""
+    tensor_parallel = model.groupshard.tensor_parallel
+    local = {}
+    for name, grad in grads.items():
+        param = tensor_parallel.params.get(name)
+        if param is None or param.shard_dim is None:
+            local[name] = grad
+        else:
+            size, rank = tensor_parallel.ranks.size, tensor_parallel.ranks.rank
+            local[name] = grad.chunk(size, dim=param.shard_dim)[rank].contiguous()
+    return local
+
+
+def muon_case(rank: int, world_size: int, strategy: str, adjust_lr_fn: str | None) -> dict:
+    """gs.optim.Muon over the TP'd Llama (sequence parallel) sharded over dp, and torch's
+    Muon + AdamW on the plain model, with the same full gradients each step (as a reduction
+    would leave them): the parameters that differ, and the optimizer's collectives."""
+    mesh = _mesh()
+    config = LlamaConfig()
+    torch.manual_seed(0)
+    reference = Llama(config)
+    model = parallelize_llama(copy.deepcopy(reference), mesh["tp"], sequence_parallel=True)
+    options = {
+        "muon": {"lr": 0.02, "weight_decay": 0.1, "adjust_lr_fn": adjust_lr_fn},
+        "adamw": {"lr": 3e-3, "weight_decay": 0.01, "betas": (0.9, 0.95), "eps": 1e-8},
+    }
+    model = gs.shard(model, gs.muon_groups(model, **options), unit=Block, strategy=strategy,
+                     mesh=mesh["dp"])  # fmt: skip
+    ours = gs.optim.Muon(model.optimizer_groups())
+    plain = gs.muon_groups(reference, **options)
+    groups = [{k: v for k, v in g.items() if k != "use_muon"} for g in plain]
+    theirs = [torch.optim.Muon([groups[0]]), torch.optim.AdamW([groups[1]])]
+    assert len(groups[0]["params"]) == 2 * 7  # every block matrix, row- and column-split
+    counts: dict[str, int] = {}
+    for step in range(3):
+        generator = torch.Generator().manual_seed(100 + step)
+        grads = {
+            n: torch.randn(p.shape, generator=generator) for n, p in reference.named_parameters()
+        }
+        for name, param in reference.named_parameters():
+            param.grad = grads[name].clone()
+        set_shard_grads(model, _local_gradients(model, grads))
+        for optimizer in theirs:
+            optimizer.step()
+        saved = {name: getattr(comm, name) for name in ("all_gather", "all_to_all")}
+        for name in saved:
+            setattr(comm, name, _counting(counts, name)[1])
+        try:
+            ours.step()
+        finally:
+            for name, original in saved.items():
+                setattr(comm, name, original)
+    full = gs.full_state_dict(model)
+    different = [n for n, p in reference.state_dict().items() if not torch.equal(full[n], p)]
+    owned = sum(o == each.rank for each in ours.ownership() for o in each.owners.values())
+    return {
+        "different": different,
+        "collectives": {k: v / 3 for k, v in counts.items()},
+        "owned": owned if strategy != "no_shard" else len(groups[0]["params"]),
+    }
+
+
+@pytest.mark.parametrize(
+    "strategy, adjust_lr_fn", [("full", None), ("no_shard", "match_rms_adamw")]
+)
+def test_muon_orthogonalizes_whole_matrices_gathered_over_tp_bitwise(
+    run_ranks, strategy, adjust_lr_fn
+):
+    for rank, result in enumerate(run_ranks(4, muon_case, strategy, adjust_lr_fn)):
+        assert result["different"] == [], (rank, result)
+        # per step: the dp exchange's two all-to-alls (none where every rank holds every
+        # matrix), and one gather over tp of each matrix this rank orthogonalizes
+        exchanges = 2 if strategy != "no_shard" else 0
+        assert result["collectives"] == {
+            **({"all_to_all": exchanges} if exchanges else {}),
+            "all_gather": result["owned"],
+        }, (rank, result)
+        assert 0 < result["owned"] < 14 or strategy == "no_shard", result

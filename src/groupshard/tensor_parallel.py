@@ -17,7 +17,7 @@ and how a whole parameter is put together from the tp ranks' pieces (``comm`` mo
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,6 +84,33 @@ class TensorParallelism:
         pieces = local.new_empty((self.ranks.size, *local.shape))
         comm.all_gather(pieces, local.contiguous(), self.ranks)
         return torch.cat(pieces.unbind(0), dim=param.shard_dim)
+
+
+def whole_dims(
+    tensor_parallel: TensorParallelism | None, fqn: str, shape: tuple[int, ...]
+) -> tuple[int, ...]:
+    """The whole parameter's shape for ``fqn`` whose local piece has ``shape``."""
+    if tensor_parallel is None or fqn not in tensor_parallel.params:
+        return tuple(shape)
+    return tuple(tensor_parallel.params[fqn].shape)
+
+
+def apply_to_whole(
+    tensor_parallel: TensorParallelism | None,
+    fqn: str,
+    local: torch.Tensor,
+    fn: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """This rank's piece of ``fn(whole parameter)``, for a function of the whole matrix
+    (Muon's Newton-Schulz): the tp ranks' ``local`` pieces are gathered in placement order
+    (Shard(0): rows, Shard(1): columns; collective over tp, each peer must call it for the
+    same ``fqn``), ``fn`` runs on the whole on every tp rank, and each keeps its piece."""
+    param = None if tensor_parallel is None else tensor_parallel.params.get(fqn)
+    if param is None or param.shard_dim is None:
+        return fn(local)
+    assert tensor_parallel is not None
+    result = fn(tensor_parallel.whole(fqn, local))
+    return result.chunk(tensor_parallel.ranks.size, dim=param.shard_dim)[tensor_parallel.ranks.rank]
 
 
 def local_parameters(

@@ -12,6 +12,7 @@ docs/muon-design.md has the design: ownership, volume and memory per step.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import cache
@@ -29,6 +30,7 @@ from groupshard.optim.owners import (
     by_process_group,
 )
 from groupshard.segments import ShardSegments, segments_of
+from groupshard.tensor_parallel import TensorParallelism, apply_to_whole, whole_dims
 
 __all__ = ["Muon", "Ownership", "assign_owners", "newton_schulz_cost", "zeropower_via_newtonschulz"]
 
@@ -127,14 +129,26 @@ def _scalar_dtype(fused: bool | None) -> torch.dtype:
 
 
 def _add_orthogonalized(
-    target: torch.Tensor, update: torch.Tensor, group: dict[str, Any], rows: int, cols: int
+    target: torch.Tensor,
+    update: torch.Tensor,
+    group: dict[str, Any],
+    rows: int,
+    cols: int,
+    fqn: str = "",
+    tensor_parallel: TensorParallelism | None = None,
 ) -> None:
     """Subtract the group's adjusted learning rate times the orthogonalized ``update`` (a
-    matrix's elements, row-major) from ``target`` (the same elements of the parameter)."""
-    ortho = zeropower_via_newtonschulz(
-        update.view(rows, cols), group["ns_coefficients"], group["ns_steps"], group["eps"]
-    )
-    lr = adjusted_lr(_scalar(group["lr"]), group["adjust_lr_fn"], rows, cols)
+    matrix's elements, row-major) from ``target`` (the same elements of the parameter).
+    Under tensor parallelism ``rows`` x ``cols`` is this rank's piece of the matrix
+    ``fqn``: Newton-Schulz runs on the whole (``apply_to_whole``), the learning rate is
+    adjusted by the whole's shape."""
+    ns = group["ns_coefficients"], group["ns_steps"], group["eps"]
+    ortho = apply_to_whole(
+        tensor_parallel, fqn, update.view(rows, cols),
+        lambda matrix: zeropower_via_newtonschulz(matrix, *ns),
+    )  # fmt: skip
+    whole_rows, whole_cols = whole_dims(tensor_parallel, fqn, (rows, cols))
+    lr = adjusted_lr(_scalar(group["lr"]), group["adjust_lr_fn"], whole_rows, whole_cols)
     target.view(rows, cols).add_(ortho, alpha=-lr)
 
 
@@ -262,6 +276,12 @@ class Muon(torch.optim.Optimizer):
         t = exchange.tensors[index]
         return matrix_shape(t.shape, self.param_groups[t.group]["flatten_conv"], repr(t.fqn))
 
+    @staticmethod
+    def _tensor_parallel(exchange: OwnerExchange, index: int) -> TensorParallelism | None:
+        """The tensor parallelism of the exchange's tensor ``index`` (None: none)."""
+        segments = segments_of(exchange.params[exchange.tensors[index].param])
+        return None if segments is None else segments.tensor_parallel
+
     # --- step -----------------------------------------------------------------------
 
     @torch.no_grad()
@@ -337,7 +357,9 @@ class Muon(torch.optim.Optimizer):
                 continue
             begin = slot.offset - start
             span = slice(begin, begin + slot.numel)
-            _add_orthogonalized(values[span], flat[span], group, rows, cols)
+            _add_orthogonalized(
+                values[span], flat[span], group, rows, cols, slot.fqn, segments.tensor_parallel
+            )
 
     def _exchange_start(
         self, exchange: OwnerExchange, updates: dict[int, torch.Tensor]
@@ -369,9 +391,14 @@ class Muon(torch.optim.Optimizer):
             # the pieces in rank order are the flattened matrix; Newton-Schulz may scale
             # its input in place (received or the concatenation), overwritten below
             whole = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-            ortho = _newton_schulz(
-                whole.view(rows, cols), group["ns_coefficients"], group["ns_steps"], group["eps"]
-            )
+            newton_schulz = functools.partial(
+                _newton_schulz, ns_coefficients=group["ns_coefficients"],
+                ns_steps=group["ns_steps"], eps=group["eps"],
+            )  # fmt: skip
+            ortho = apply_to_whole(
+                self._tensor_parallel(exchange, index), exchange.tensors[index].fqn,
+                whole.view(rows, cols), newton_schulz,
+            )  # fmt: skip
             if not ortho.is_contiguous():  # a tall matrix's: transposed into the input's place
                 ortho = whole.view(rows, cols).copy_(ortho)
             if ortho.data_ptr() != whole.data_ptr() or len(pieces) > 1:
@@ -391,6 +418,7 @@ class Muon(torch.optim.Optimizer):
             _add_orthogonalized(
                 exchange.local_piece(exchange.params[t.param], index),
                 exchange.local_piece(flat, index), self.param_groups[t.group], rows, cols,
+                t.fqn, self._tensor_parallel(exchange, index),
             )  # fmt: skip
         back.wait()
         by_alpha: dict[float, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
@@ -399,7 +427,9 @@ class Muon(torch.optim.Optimizer):
             if flats[t.param] is None or index in exchange.solo:
                 continue
             group = self.param_groups[t.group]
-            rows, cols = self._dims(exchange, index)
+            rows, cols = whole_dims(
+                self._tensor_parallel(exchange, index), t.fqn, self._dims(exchange, index)
+            )
             lr = adjusted_lr(_scalar(group["lr"]), group["adjust_lr_fn"], rows, cols)
             targets, results = by_alpha.setdefault(-lr, ([], []))
             targets.append(exchange.local_piece(exchange.params[t.param], index))
@@ -489,6 +519,14 @@ def _check_matrices(param: torch.Tensor, flatten_conv: bool, index: int, positio
         return
     for slot in segments.buffer.params:
         matrix_shape(slot.shape, flatten_conv, repr(slot.fqn))
+        tensor_parallel = segments.tensor_parallel
+        split = tensor_parallel is not None and slot.fqn in tensor_parallel.params
+        if split and len(slot.shape) != 2:
+            raise ValueError(
+                f"Parameter {slot.fqn!r} (shape {tuple(slot.shape)}) is split by tensor "
+                "parallelism and is not a matrix: Muon orthogonalizes whole matrices gathered "
+                "over tp by rows or columns; put it in an AdamW group (use_muon=False)."
+            )
 
 
 def split_state_dict(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

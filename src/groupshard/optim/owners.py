@@ -31,7 +31,6 @@ import torch
 
 from groupshard import comm
 from groupshard.segments import segments_of
-from groupshard.tensor_parallel import refuse_under_tensor_parallelism
 
 Cost = Callable[[int, tuple[int, ...]], float]
 """``cost(group_index, shape)``: the owner's work for one parameter of that group."""
@@ -488,11 +487,6 @@ def by_process_group(
     found: dict[int, tuple[comm.Ranks, list[tuple[int, torch.Tensor]]]] = {}
     for group, param in entries:
         segments = segments_of(param)
-        if segments is not None and segments.tensor_parallel is not None:
-            refuse_under_tensor_parallelism(
-                f"Muon or gs.optim.WholeParamOptimizer over parameters {list(segments.fqns)}",
-                "part 2, issue 53: they step whole matrices, which tensor parallelism splits",
-            )
         if segments is not None and segments.needs_reduce:
             key = id(segments.ranks.group)
             found.setdefault(key, (segments.ranks, []))[1].append((group, param))

@@ -40,6 +40,7 @@ from groupshard.optim.owners import (
     raise_if_options_differ,
 )
 from groupshard.segments import segments_of
+from groupshard.tensor_parallel import refuse_under_tensor_parallelism
 
 WHO = "gs.optim.WholeParamOptimizer"
 OWN_KEYS = ("params", "whole")
@@ -194,6 +195,14 @@ class WholeParamOptimizer(torch.optim.Optimizer):
             if group["whole"]
             for param in group["params"]
         ]
+        for _, param in entries:
+            segments = segments_of(param)
+            if segments is not None and segments.tensor_parallel is not None:
+                refuse_under_tensor_parallelism(
+                    f"gs.optim.WholeParamOptimizer over parameters {list(segments.fqns)}",
+                    "part 2, issue 53: it steps whole parameters, which tensor parallelism "
+                    "splits",
+                )
         exchanges = []
         for ranks, found in by_process_group(entries):
             if self._measure:
