@@ -413,3 +413,58 @@ def test_muon_orthogonalizes_whole_matrices_gathered_over_tp_bitwise(
             "all_gather": result["owned"],
         }, (rank, result)
         assert 0 < result["owned"] < 14 or strategy == "no_shard", result
+
+
+def bf16_case(rank: int, world_size: int) -> dict:
+    """bf16 compute from fp32 masters, gradients reduced in fp32, under sequence
+    parallelism: groupshard over dp and FSDP2's fully_shard over dp with the same policy,
+    the same TP plan, batches and AdamW: the largest difference of their weights and
+    losses (the same casts in the same places)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = _mesh()
+    dp_rank = mesh["dp"].get_local_rank()
+    config = LlamaConfig()
+    torch.manual_seed(0)
+    plain = Llama(config)
+    ours = parallelize_llama(copy.deepcopy(plain), mesh["tp"], sequence_parallel=True)
+    theirs = parallelize_llama(copy.deepcopy(plain), mesh["tp"], sequence_parallel=True)
+    bf16 = gs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    ours = gs.shard(ours, gs.decay_groups(ours, 0.1), unit=Block, mesh=mesh["dp"],
+                    mixed_precision=bf16)  # fmt: skip
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in theirs.layers:
+        fully_shard(block, mesh=mesh["dp"], mp_policy=policy)
+    fully_shard(theirs, mesh=mesh["dp"], mp_policy=policy)
+    optimizers = [
+        torch.optim.AdamW(ours.optimizer_groups(), lr=1e-2),
+        torch.optim.AdamW(gs.decay_groups(theirs, 0.1), lr=1e-2),
+    ]
+    losses = 0.0
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(STEPS):
+        tokens = torch.randint(0, config.vocab, (4, config.seq + 1), generator=generator)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        mine = slice(2 * dp_rank, 2 * dp_rank + 2)
+        step_losses = []
+        for model, optimizer in zip((ours, theirs), optimizers, strict=True):
+            logits = model(inputs[mine]).float()
+            loss = F.cross_entropy(logits.flatten(0, 1), targets[mine].flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            step_losses.append(loss.item())
+        losses = max(losses, abs(step_losses[0] - step_losses[1]))
+    full = gs.full_state_dict(ours)
+    weights = max(
+        (full[name] - param.full_tensor()).abs().max().item()
+        for name, param in theirs.named_parameters()
+    )
+    dtypes = sorted({str(t.dtype) for t in full.values()})
+    return {"weights": weights, "losses": losses, "dtypes": dtypes}
+
+
+def test_bf16_under_sequence_parallelism_equals_fsdp2_with_the_same_policy(run_ranks):
+    for rank, result in enumerate(run_ranks(4, bf16_case)):
+        assert result["dtypes"] == ["torch.float32"], result  # the fp32 masters
+        assert result["weights"] <= 1e-6 and result["losses"] == 0.0, (rank, result)

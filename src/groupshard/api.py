@@ -486,7 +486,7 @@ def shard(
         params = local_parameters(dict(model.named_parameters()), tensor_parallel)
         meta = bool(meta_parameters(params))
         if tensor_parallel is not None:
-            check_tensor_parallel_options(meta, mixed_precision)
+            check_tensor_parallel_options(meta)
         world_size = 1 if strategy == "no_shard" else sharding.shard.size
         layouts = plan_storages(groups, plan, params, world_size)
         modules = dict(model.named_modules())

@@ -227,16 +227,12 @@ def _check_data_parallel_mesh(
         )
 
 
-def check_tensor_parallel_options(meta: bool, mixed_precision: Any) -> None:
+def check_tensor_parallel_options(meta: bool) -> None:
     """A ValueError for what gs.shard does not do with tensor parallelism yet."""
     if meta:
         refuse_under_tensor_parallelism(
             "Building on the meta device (param_init_fn)", "part 3, issue 54: build the model "
             "on a real device, then parallelize_module and gs.shard"
-        )
-    if mixed_precision is not None:
-        refuse_under_tensor_parallelism(
-            "mixed_precision", "part 2, issue 53: shard without it, in the parameters' dtype"
         )
 
 
