@@ -40,7 +40,7 @@ from groupshard.optim.owners import (
     raise_if_options_differ,
 )
 from groupshard.segments import segments_of
-from groupshard.tensor_parallel import refuse_under_tensor_parallelism
+from groupshard.tensor_parallel import TensorParallelism
 
 WHO = "gs.optim.WholeParamOptimizer"
 OWN_KEYS = ("params", "whole")
@@ -150,6 +150,11 @@ class WholeParamOptimizer(torch.optim.Optimizer):
         self._building = True
         self._owners: dict[str, int] = {}  # FQN -> owner rank, kept once assigned
         self._wholes: dict[str, torch.Tensor] = {}  # FQN -> the whole tensor stepped here
+        # tensor parallelism: FQN -> the whole parameter over tp (what the inner optimizer
+        # steps; ``_wholes`` then holds this tp rank's piece of it), and its tp split
+        self._across_tp: dict[str, tuple[torch.Tensor, TensorParallelism]] = {}
+        self._tp_local: list[str] = []  # such FQNs among the tensors held here, in order
+        self._tp_assembled: list[str] = []  # and among those assembled from pieces
         self._exchanges: list[OwnerExchange] = []
         # the whole tensors that are views of a shard here: (whole, shard, fqn, offset)
         self._local: list[tuple[torch.Tensor, torch.Tensor, str, int]] = []
@@ -195,14 +200,6 @@ class WholeParamOptimizer(torch.optim.Optimizer):
             if group["whole"]
             for param in group["params"]
         ]
-        for _, param in entries:
-            segments = segments_of(param)
-            if segments is not None and segments.tensor_parallel is not None:
-                refuse_under_tensor_parallelism(
-                    f"gs.optim.WholeParamOptimizer over parameters {list(segments.fqns)}",
-                    "part 2, issue 53: it steps whole parameters, which tensor parallelism "
-                    "splits",
-                )
         exchanges = []
         for ranks, found in by_process_group(entries):
             if self._measure:
@@ -271,6 +268,7 @@ class WholeParamOptimizer(torch.optim.Optimizer):
             for t in [exchange.tensors[index]]
         }
         self._local = []
+        self._tp_local, self._tp_assembled = [], []
         per_group: list[list[torch.Tensor]] = []
         for group in self.param_groups:
             wholes: list[torch.Tensor] = []
@@ -299,8 +297,47 @@ class WholeParamOptimizer(torch.optim.Optimizer):
                     if view:
                         begin = slot.offset - start
                         self._local.append((self._wholes[slot.fqn], param, slot.fqn, begin))
-                    wholes.append(self._wholes[slot.fqn])
+                    wholes.append(self._across_tp_of(slot.fqn, segments.tensor_parallel, view))
         return per_group
+
+    def _across_tp_of(
+        self, fqn: str, tensor_parallel: TensorParallelism | None, local: bool
+    ) -> torch.Tensor:
+        """What the inner optimizer steps for ``fqn``: its whole tensor here, or, for a
+        parameter tensor parallelism splits, the whole over tp (kept between steps, so its
+        state lives on; ``_gather_over_tp`` fills it)."""
+        param = None if tensor_parallel is None else tensor_parallel.params.get(fqn)
+        if param is None or param.shard_dim is None:
+            return self._wholes[fqn]
+        assert tensor_parallel is not None
+        (self._tp_local if local else self._tp_assembled).append(fqn)
+        if fqn not in self._across_tp:
+            whole = self._wholes[fqn].new_zeros(param.shape)
+            self._across_tp[fqn] = (whole, tensor_parallel)
+        return self._across_tp[fqn][0]
+
+    def _stepped(self, fqn: str) -> torch.Tensor:
+        """The tensor the inner optimizer steps for ``fqn`` (see ``_across_tp_of``)."""
+        return self._across_tp[fqn][0] if fqn in self._across_tp else self._wholes[fqn]
+
+    def _gather_over_tp(self, fqns: list[str]) -> None:
+        """The whole values and gradients over tp of ``fqns`` from the tp ranks' pieces
+        (collective over tp, in the same order on every tp rank)."""
+        for fqn in fqns:
+            whole, tensor_parallel = self._across_tp[fqn]
+            piece = self._wholes[fqn]
+            whole.copy_(tensor_parallel.whole(fqn, piece.detach()))
+            grad = piece.grad
+            whole.grad = None if grad is None else tensor_parallel.whole(fqn, grad)
+
+    def _keep_own_piece(self, fqns: list[str]) -> None:
+        """Each tp rank's piece of the stepped whole back into its tensor (and shard)."""
+        for fqn in fqns:
+            whole, tensor_parallel = self._across_tp[fqn]
+            dim = tensor_parallel.params[fqn].shard_dim
+            size, rank = tensor_parallel.ranks.size, tensor_parallel.ranks.rank
+            self._wholes[fqn].detach().copy_(whole.chunk(size, dim=dim)[rank])
+            whole.grad = None
 
     def _build_inner(self, per_group: list[list[torch.Tensor]]) -> None:
         """The inner ``optimizer_class`` instances, each over every group (in order, some
@@ -309,7 +346,7 @@ class WholeParamOptimizer(torch.optim.Optimizer):
         over the shards of ``"whole": False`` groups, which shares this optimizer's
         ``state`` (the step hooks keep the state of parameters without a gradient there)."""
         assembled = {
-            id(self._wholes[exchange.tensors[index].fqn])
+            id(self._stepped(exchange.tensors[index].fqn))
             for exchange in self._exchanges
             for index in exchange.owned
             if index not in exchange.solo
@@ -434,7 +471,9 @@ class WholeParamOptimizer(torch.optim.Optimizer):
                 whole.grad = None
             else:
                 whole.grad = grad.view(-1)[begin : begin + whole.numel()].view(whole.shape)
+        self._gather_over_tp(self._tp_local)
         local.step()
+        self._keep_own_piece(self._tp_local)
         for exchange, (received, pending) in zip(self._exchanges, started, strict=True):
             pending.wait()
             values = None
@@ -443,7 +482,9 @@ class WholeParamOptimizer(torch.optim.Optimizer):
                 values, pending = exchange.to_owners(exchange.pack(current, current[0].dtype))
                 pending.wait()
             self._assemble(exchange, received, values, without_grad)
+        self._gather_over_tp(self._tp_assembled)
         assembled.step()
+        self._keep_own_piece(self._tp_assembled)
         returns = [self._send_back(exchange) for exchange in self._exchanges]
         for exchange, (into, pending) in zip(self._exchanges, returns, strict=True):
             pending.wait()
@@ -556,7 +597,8 @@ class WholeParamOptimizer(torch.optim.Optimizer):
             if not group["whole"]:
                 continue
             held = {id(w) for g in inner for w in g["params"]}
-            for fqn, whole in self._wholes.items():
+            for fqn in self._wholes:
+                whole = self._stepped(fqn)  # under tensor parallelism, the whole over tp
                 if id(whole) in held:
                     found[fqn] = (whole, local.state.get(whole, {}), group)
         return found
