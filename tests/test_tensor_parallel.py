@@ -34,14 +34,36 @@ def _mesh():
     return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
 
 
-def _counting(counts, name):
-    original = getattr(comm, name)
+@contextlib.contextmanager
+def _counting(counts: dict[str, int], *names: str):
+    """Inside the block, each call of ``comm``'s collectives ``names`` adds 1 to
+    ``counts[name]`` (comm is the only caller of collectives)."""
+    saved = {name: getattr(comm, name) for name in names}
 
-    def counted(*args, **kwargs):
-        counts[name] = counts.get(name, 0) + 1
-        return original(*args, **kwargs)
+    def counter(name, original):
+        def counted(*args, **kwargs):
+            counts[name] = counts.get(name, 0) + 1
+            return original(*args, **kwargs)
 
-    return original, counted
+        return counted
+
+    for name, original in saved.items():
+        setattr(comm, name, counter(name, original))
+    try:
+        yield
+    finally:
+        for name, original in saved.items():
+            setattr(comm, name, original)
+
+
+def _same_gradients(step: int, reference: nn.Module, model: nn.Module) -> None:
+    """Random full gradients for ``step`` on the plain model's parameters, and this rank's
+    slices of them on the sharded model's shards, as a reduction would leave them."""
+    generator = torch.Generator().manual_seed(100 + step)
+    grads = {n: torch.randn(p.shape, generator=generator) for n, p in reference.named_parameters()}
+    for name, param in reference.named_parameters():
+        param.grad = grads[name].clone()
+    set_shard_grads(model, _local_gradients(model, grads))
 
 
 def training_case(rank: int, world_size: int, strategy: str, sequence_parallel: bool) -> dict:
@@ -73,13 +95,9 @@ def training_case(rank: int, world_size: int, strategy: str, sequence_parallel: 
         result["loss"] = max(result["loss"], abs(local_loss.item() / 2 - expected.item()))
         if step == 0:  # per parameter, whole-parameter values, one all-reduce per mesh dim
             counts: dict[str, int] = {}
-            original, counted = _counting(counts, "all_reduce_sum")
-            comm.all_reduce_sum = counted
-            try:
+            with _counting(counts, "all_reduce_sum"):
                 grads = gs.grad_norms(model)
-                result["norm_all_reduces"] = counts.get("all_reduce_sum", 0)
-            finally:
-                comm.all_reduce_sum = original
+            result["norm_all_reduces"] = counts.get("all_reduce_sum", 0)
             wanted = {n: p.grad.norm() for n, p in reference.named_parameters()}
             assert grads.keys() == wanted.keys(), sorted(grads.keys() ^ wanted.keys())
             result["grad_norms"] = max(abs(grads[n] - wanted[n]).item() for n in wanted)
@@ -259,10 +277,9 @@ def regime_case(rank: int, world_size: int, name: str) -> dict:
             with contextlib.ExitStack() as stack:
                 if not last:
                     stack.enter_context(model.no_sync())
-                    for collective in ("reduce_scatter_mean", "all_reduce_mean"):
-                        original, counted = _counting(counts, collective)
-                        stack.callback(setattr, comm, collective, original)
-                        setattr(comm, collective, counted)
+                    stack.enter_context(
+                        _counting(counts, "reduce_scatter_mean", "all_reduce_mean")
+                    )
                 logits = model(inputs[rows])
                 loss = F.cross_entropy(logits.flatten(0, 1), targets[rows].flatten())
                 (loss / micro_batches).backward()
@@ -366,31 +383,37 @@ def muon_case(rank: int, world_size: int, strategy: str, adjust_lr_fn: str | Non
     assert len(groups[0]["params"]) == 2 * 7  # every block matrix, row- and column-split
     counts: dict[str, int] = {}
     for step in range(3):
-        generator = torch.Generator().manual_seed(100 + step)
-        grads = {
-            n: torch.randn(p.shape, generator=generator) for n, p in reference.named_parameters()
-        }
-        for name, param in reference.named_parameters():
-            param.grad = grads[name].clone()
-        set_shard_grads(model, _local_gradients(model, grads))
+        _same_gradients(step, reference, model)
         for optimizer in theirs:
             optimizer.step()
-        saved = {name: getattr(comm, name) for name in ("all_gather", "all_to_all")}
-        for name in saved:
-            setattr(comm, name, _counting(counts, name)[1])
-        try:
+        with _counting(counts, "all_gather", "all_to_all"), _counting_newton_schulz(counts):
             ours.step()
-        finally:
-            for name, original in saved.items():
-                setattr(comm, name, original)
     full = gs.full_state_dict(model)
     different = [n for n, p in reference.state_dict().items() if not torch.equal(full[n], p)]
-    owned = sum(o == each.rank for each in ours.ownership() for o in each.owners.values())
+    newton_schulz = counts.pop("newton_schulz") / 3
     return {
         "different": different,
         "collectives": {k: v / 3 for k, v in counts.items()},
-        "owned": owned if strategy != "no_shard" else len(groups[0]["params"]),
+        "newton_schulz": newton_schulz,
     }
+
+
+@contextlib.contextmanager
+def _counting_newton_schulz(counts: dict[str, int]):
+    """Inside the block, each Newton-Schulz iteration Muon runs adds 1 to counts."""
+    from groupshard.optim import muon
+
+    original = muon._newton_schulz
+
+    def counted(*args, **kwargs):
+        counts["newton_schulz"] = counts.get("newton_schulz", 0) + 1
+        return original(*args, **kwargs)
+
+    muon._newton_schulz = counted
+    try:
+        yield
+    finally:
+        muon._newton_schulz = original
 
 
 @pytest.mark.parametrize(
@@ -399,16 +422,20 @@ def muon_case(rank: int, world_size: int, strategy: str, adjust_lr_fn: str | Non
 def test_muon_orthogonalizes_whole_matrices_gathered_over_tp_bitwise(
     run_ranks, strategy, adjust_lr_fn
 ):
-    for rank, result in enumerate(run_ranks(4, muon_case, strategy, adjust_lr_fn)):
+    results = run_ranks(4, muon_case, strategy, adjust_lr_fn)
+    for rank, result in enumerate(results):
         assert result["different"] == [], (rank, result)
-        # per step: the dp exchange's two all-to-alls (none where every rank holds every
-        # matrix), and one gather over tp of each matrix this rank orthogonalizes
-        exchanges = 2 if strategy != "no_shard" else 0
-        assert result["collectives"] == {
-            **({"all_to_all": exchanges} if exchanges else {}),
-            "all_gather": result["owned"],
-        }, (rank, result)
-        assert 0 < result["owned"] < 14 or strategy == "no_shard", result
+        if strategy == "full":
+            # per step: the dp exchange's two all-to-alls, then over tp one all-gather of the
+            # owned matrices' pieces and one all-to-all of the results' pieces; the 14
+            # matrices' Newton-Schulz shared by the 4 ranks
+            assert result["collectives"] == {"all_to_all": 3, "all_gather": 1}, result
+            assert 2 <= result["newton_schulz"] <= 5, (rank, result)
+        else:  # every rank holds every matrix: one gather over tp each, no exchange
+            assert result["collectives"] == {"all_gather": 14}, (rank, result)
+            assert result["newton_schulz"] == 14, (rank, result)
+    if strategy == "full":
+        assert sum(r["newton_schulz"] for r in results) == 14, results
 
 
 def bf16_case(rank: int, world_size: int) -> dict:
@@ -482,13 +509,7 @@ def adafactor_case(rank: int, world_size: int, strategy: str) -> list[str]:
     )
     theirs = torch.optim.Adafactor(gs.decay_groups(reference, 0.1), lr=1e-2)
     for step in range(3):
-        generator = torch.Generator().manual_seed(100 + step)
-        grads = {
-            n: torch.randn(p.shape, generator=generator) for n, p in reference.named_parameters()
-        }
-        for name, param in reference.named_parameters():
-            param.grad = grads[name].clone()
-        set_shard_grads(model, _local_gradients(model, grads))
+        _same_gradients(step, reference, model)
         theirs.step()
         ours.step()
     full = gs.full_state_dict(model)

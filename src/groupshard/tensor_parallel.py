@@ -17,7 +17,7 @@ and how a whole parameter is put together from the tp ranks' pieces (``comm`` mo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,6 +111,51 @@ def apply_to_whole(
     assert tensor_parallel is not None
     result = fn(tensor_parallel.whole(fqn, local))
     return result.chunk(tensor_parallel.ranks.size, dim=param.shard_dim)[tensor_parallel.ranks.rank]
+
+
+def apply_to_wholes(
+    tensor_parallel: TensorParallelism,
+    items: Sequence[tuple[str, torch.Tensor]],
+    fn: Callable[[int, torch.Tensor], torch.Tensor],
+    cost: Callable[[torch.Size], float],
+) -> list[torch.Tensor]:
+    """``apply_to_whole`` for many Shard-placed parameters, with the work shared over tp:
+    one all-gather of every ``(fqn, local piece)``'s pieces over tp, each whole given to
+    one tp rank (largest ``cost`` first to the least loaded, the same on every rank), which
+    runs ``fn(item index, whole)``, and one all-to-all bringing each rank its pieces of
+    the results. Returns this rank's piece of each result, in ``items``' order."""
+    ranks = tensor_parallel.ranks
+    size, me = ranks.size, ranks.rank
+    numels = [local.numel() for _, local in items]
+    gathered = items[0][1].new_empty((size, sum(numels)))
+    comm.all_gather(gathered, torch.cat([local.reshape(-1) for _, local in items]), ranks)
+    pieces = gathered.split(numels, dim=1)  # per item: (tp ranks, piece)
+    loads, doer = [0.0] * size, [0] * len(items)
+    by_cost = sorted(range(len(items)), key=lambda i: -cost(items[i][1].shape))  # stable
+    for index in by_cost:
+        doer[index] = min(range(size), key=lambda rank: loads[rank])
+        loads[doer[index]] += cost(items[index][1].shape)
+    mine = [index for index in range(len(items)) if doer[index] == me]
+    send = []
+    for index in mine:
+        fqn, local = items[index]
+        dim = tensor_parallel.params[fqn].shard_dim
+        whole = torch.cat([piece.view(local.shape) for piece in pieces[index]], dim=dim)
+        send.append(fn(index, whole).chunk(size, dim=dim))  # every rank's piece
+    values = torch.cat(
+        [send[k][rank].reshape(-1) for rank in range(size) for k in range(len(mine))]
+        or [gathered.new_empty(0)]
+    )
+    # from each rank, its results' pieces for this rank, in item order
+    order = [index for rank in range(size) for index in range(len(items)) if doer[index] == rank]
+    received = gathered.new_empty(sum(numels))
+    from_each = [sum(numels[i] for i in order if doer[i] == rank) for rank in range(size)]
+    to_each = sum(numels[index] for index in mine)
+    comm.all_to_all(received, values, from_each, [to_each] * size, ranks)
+    results: list[torch.Tensor] = [gathered.new_empty(0)] * len(items)
+    for index, chunk in zip(order, received.split([numels[i] for i in order]), strict=True):
+        results[index] = chunk.view(items[index][1].shape)
+    return results
 
 
 def local_parameters(

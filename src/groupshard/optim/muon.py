@@ -12,7 +12,6 @@ docs/muon-design.md has the design: ownership, volume and memory per step.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import cache
@@ -30,7 +29,12 @@ from groupshard.optim.owners import (
     by_process_group,
 )
 from groupshard.segments import ShardSegments, segments_of
-from groupshard.tensor_parallel import TensorParallelism, apply_to_whole, whole_dims
+from groupshard.tensor_parallel import (
+    TensorParallelism,
+    apply_to_whole,
+    apply_to_wholes,
+    whole_dims,
+)
 
 __all__ = ["Muon", "Ownership", "assign_owners", "newton_schulz_cost", "zeropower_via_newtonschulz"]
 
@@ -126,6 +130,18 @@ def _scalar_dtype(fused: bool | None) -> torch.dtype:
     if fused:
         return torch.float32
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def _write_orthogonalized(
+    ortho: torch.Tensor, matrix: torch.Tensor, pieces: Sequence[torch.Tensor]
+) -> None:
+    """Newton-Schulz's result ``ortho`` of ``matrix`` (the received ``pieces`` end to end)
+    into those pieces, which travel back to their ranks."""
+    if not ortho.is_contiguous():  # a tall matrix's: transposed into the input's place
+        ortho = matrix.copy_(ortho)
+    if ortho.data_ptr() != matrix.data_ptr() or len(pieces) > 1:
+        sizes = [piece.numel() for piece in pieces]
+        torch._foreach_copy_(list(pieces), list(ortho.reshape(-1).split(sizes)))
 
 
 def _add_orthogonalized(
@@ -382,6 +398,8 @@ class Muon(torch.optim.Optimizer):
     ) -> None:
         """Newton-Schulz on whole matrices, slices back to their ranks, update."""
         pending.wait()
+        split_over_tp = []  # (pieces, whole, group) of owned matrices tensor parallelism splits
+        tensor_parallel = None
         for position, index in enumerate(exchange.owned):
             if index in exchange.solo:
                 continue
@@ -391,19 +409,46 @@ class Muon(torch.optim.Optimizer):
             # the pieces in rank order are the flattened matrix; Newton-Schulz may scale
             # its input in place (received or the concatenation), overwritten below
             whole = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-            newton_schulz = functools.partial(
-                _newton_schulz, ns_coefficients=group["ns_coefficients"],
-                ns_steps=group["ns_steps"], eps=group["eps"],
+            fqn = exchange.tensors[index].fqn
+            tp = self._tensor_parallel(exchange, index)
+            if tp is not None and fqn in tp.params and tp.params[fqn].shard_dim is not None:
+                tensor_parallel = tp
+                split_over_tp.append((fqn, pieces, whole.view(rows, cols), group))
+                continue
+            ortho = _newton_schulz(
+                whole.view(rows, cols), group["ns_coefficients"], group["ns_steps"], group["eps"]
+            )
+            _write_orthogonalized(ortho, whole.view(rows, cols), pieces)
+        solo_over_tp: dict[int, int] = {}  # held whole here and split by tp: its item
+        for index in sorted(exchange.solo):
+            t = exchange.tensors[index]
+            tp = self._tensor_parallel(exchange, index)
+            if flats[t.param] is None or tp is None or t.fqn not in tp.params:
+                continue
+            if tp.params[t.fqn].shard_dim is None:
+                continue
+            rows, cols = self._dims(exchange, index)
+            matrix = exchange.local_piece(flats[t.param], index).view(rows, cols)
+            solo_over_tp[index] = len(split_over_tp)
+            tensor_parallel = tp
+            group = self.param_groups[t.group]
+            split_over_tp.append((t.fqn, None, matrix.to(NS_DTYPE, copy=True), group))
+        over_tp: list[torch.Tensor] = []
+        if split_over_tp:  # the whole matrices over tp, their Newton-Schulz shared by tp
+            assert tensor_parallel is not None
+
+            def newton_schulz(item: int, matrix: torch.Tensor) -> torch.Tensor:
+                group = split_over_tp[item][3]
+                ns = group["ns_coefficients"], group["ns_steps"], group["eps"]
+                return _newton_schulz(matrix, *ns)
+
+            over_tp = apply_to_wholes(
+                tensor_parallel, [(fqn, matrix) for fqn, _, matrix, _ in split_over_tp],
+                newton_schulz, lambda shape: newton_schulz_cost(*shape),
             )  # fmt: skip
-            ortho = apply_to_whole(
-                self._tensor_parallel(exchange, index), exchange.tensors[index].fqn,
-                whole.view(rows, cols), newton_schulz,
-            )  # fmt: skip
-            if not ortho.is_contiguous():  # a tall matrix's: transposed into the input's place
-                ortho = whole.view(rows, cols).copy_(ortho)
-            if ortho.data_ptr() != whole.data_ptr() or len(pieces) > 1:
-                sizes = [piece.numel() for piece in pieces]
-                torch._foreach_copy_(pieces, list(ortho.view(-1).split(sizes)))
+            for (_, pieces, matrix, _), ortho in zip(split_over_tp, over_tp, strict=True):
+                if pieces is not None:  # else held whole here: applied below
+                    _write_orthogonalized(ortho, matrix, pieces)
         back = exchange.back(received, send)
         for param, flat, index in zip(exchange.params, flats, exchange.groups, strict=True):
             if flat is not None:
@@ -415,10 +460,16 @@ class Muon(torch.optim.Optimizer):
             if flat is None:
                 continue
             rows, cols = self._dims(exchange, index)
+            target = exchange.local_piece(exchange.params[t.param], index)
+            if index in solo_over_tp:  # orthogonalized over tp above
+                group = self.param_groups[t.group]
+                shape = whole_dims(self._tensor_parallel(exchange, index), t.fqn, (rows, cols))
+                lr = adjusted_lr(_scalar(group["lr"]), group["adjust_lr_fn"], *shape)
+                target.view(rows, cols).add_(over_tp[solo_over_tp[index]], alpha=-lr)
+                continue
             _add_orthogonalized(
-                exchange.local_piece(exchange.params[t.param], index),
-                exchange.local_piece(flat, index), self.param_groups[t.group], rows, cols,
-                t.fqn, self._tensor_parallel(exchange, index),
+                target, exchange.local_piece(flat, index), self.param_groups[t.group], rows,
+                cols, t.fqn, self._tensor_parallel(exchange, index),
             )  # fmt: skip
         back.wait()
         by_alpha: dict[float, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
