@@ -520,3 +520,34 @@ def adafactor_case(rank: int, world_size: int, strategy: str) -> list[str]:
 def test_whole_param_optimizer_steps_adafactor_on_whole_matrices_bitwise(run_ranks, strategy):
     for rank, different in enumerate(run_ranks(4, adafactor_case, strategy)):
         assert different == [], (rank, different)
+
+
+def scaler_case(rank: int, world_size: int) -> dict:
+    """gs.GradScaler under sequence parallelism, with an overflow in one rank's piece of one
+    gradient only: every rank skips the step (no weight changes) and halves the scale; the
+    next step, without one, moves the weights."""
+    mesh = _mesh()
+    torch.manual_seed(0)
+    model = parallelize_llama(Llama(LlamaConfig()), mesh["tp"], sequence_parallel=True)
+    model = gs.shard(model, gs.decay_groups(model, 0.1), unit=Block, mesh=mesh["dp"])
+    optimizer = torch.optim.AdamW(model.optimizer_groups(), lr=1e-2)
+    scaler = gs.GradScaler(model, init_scale=2.0**4)
+    tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    moved = []
+    for step in range(2):
+        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        scaler.scale(loss).backward()
+        if step == 0 and rank == 1:  # dp rank 0, tp rank 1: the others hold no inf
+            model.optimizer_groups()[0]["params"][0].grad[0] = float("inf")
+        before = gs.full_state_dict(model)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        after = gs.full_state_dict(model)
+        moved.append(any(not torch.equal(before[n], after[n]) for n in before))
+    return {"moved": moved, "scale": scaler.get_scale()}
+
+
+def test_grad_scaler_agrees_on_an_overflow_over_dp_and_tp(run_ranks):
+    for rank, result in enumerate(run_ranks(4, scaler_case)):
+        assert result == {"moved": [False, True], "scale": 8.0}, (rank, result)

@@ -63,9 +63,14 @@ class GradScaler(torch.amp.GradScaler):
         if model is not None and process_group is not None:
             raise ValueError("gs.GradScaler takes a model or a process_group, not both")
         if model is not None:
-            self._ranks = sharding_state(model, "gs.GradScaler", "part 2, issue 53").ranks
+            state = sharding_state(model, "gs.GradScaler")
+            # under tensor parallelism the tp ranks hold other pieces of the gradients: the
+            # flag is agreed over them too
+            tensor_parallel = state.tensor_parallel
+            tp = () if tensor_parallel is None else (tensor_parallel.ranks,)
+            self._agree_over: tuple[comm.Ranks, ...] = (state.ranks, *tp)
         else:
-            self._ranks = comm.resolve_ranks(process_group)
+            self._agree_over = (comm.resolve_ranks(process_group),)
         if device is None:
             if model is not None:
                 device = next(model.parameters()).device.type
@@ -94,5 +99,6 @@ class GradScaler(torch.amp.GradScaler):
         agreed = torch.zeros((), dtype=torch.float32, device=found_inf.device)
         for flag in per_device.values():
             torch.maximum(agreed, flag.to(agreed.device), out=agreed)
-        comm.all_reduce_max(agreed, self._ranks)
+        for ranks in self._agree_over:
+            comm.all_reduce_max(agreed, ranks)
         return {agreed.device: agreed}
