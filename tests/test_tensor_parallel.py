@@ -34,6 +34,14 @@ def _mesh():
     return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
 
 
+def _plain_and_parallelized(tp_mesh, sequence_parallel: bool = True):
+    """The plain Llama (seeded, the one-process reference) and a copy split over
+    ``tp_mesh`` by torchtitan's plan."""
+    torch.manual_seed(0)
+    plain = Llama(LlamaConfig())
+    return plain, parallelize_llama(copy.deepcopy(plain), tp_mesh, sequence_parallel)
+
+
 @contextlib.contextmanager
 def _counting(counts: dict[str, int], *names: str):
     """Inside the block, each call of ``comm``'s collectives ``names`` adds 1 to
@@ -73,9 +81,7 @@ def training_case(rank: int, world_size: int, strategy: str, sequence_parallel: 
     mesh = _mesh()
     dp_rank = mesh["dp"].get_local_rank()
     config = LlamaConfig()
-    torch.manual_seed(0)
-    reference = Llama(config)
-    model = parallelize_llama(copy.deepcopy(reference), mesh["tp"], sequence_parallel)
+    reference, model = _plain_and_parallelized(mesh["tp"], sequence_parallel)
     model = gs.shard(model, gs.decay_groups(model, 0.1), unit=Block, strategy=strategy,
                      mesh=mesh["dp"])  # fmt: skip
     optimizer = torch.optim.AdamW(model.optimizer_groups(), lr=1e-2)
@@ -254,9 +260,7 @@ def regime_case(rank: int, world_size: int, name: str) -> dict:
     mesh = _mesh()
     dp_rank = mesh["dp"].get_local_rank()
     config = LlamaConfig()
-    torch.manual_seed(0)
-    reference = Llama(config)
-    model = parallelize_llama(copy.deepcopy(reference), mesh["tp"], sequence_parallel=True)
+    reference, model = _plain_and_parallelized(mesh["tp"])
     unit = Block
     if name == "checkpointing":  # torchtitan's order: TP, then activation checkpointing
         apply_activation_checkpointing(model, check_fn=lambda module: isinstance(module, Block))
@@ -312,9 +316,7 @@ def three_d_case(rank: int, world_size: int) -> dict:
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
     data_rank = mesh["replicate"].get_local_rank() * 2 + mesh["shard"].get_local_rank()
     config = LlamaConfig()
-    torch.manual_seed(0)
-    reference = Llama(config)
-    model = parallelize_llama(copy.deepcopy(reference), mesh["tp"], sequence_parallel=True)
+    reference, model = _plain_and_parallelized(mesh["tp"])
     model = gs.shard(model, gs.decay_groups(model, 0.1), unit=Block,
                      mesh=mesh["replicate", "shard"])  # fmt: skip
     optimizer, reference_optimizer = _optimizers("adamw", model, reference)
@@ -366,10 +368,7 @@ def muon_case(rank: int, world_size: int, strategy: str, adjust_lr_fn: str | Non
     Muon + AdamW on the plain model, with the same full gradients each step (as a reduction
     would leave them): the parameters that differ, and the optimizer's collectives."""
     mesh = _mesh()
-    config = LlamaConfig()
-    torch.manual_seed(0)
-    reference = Llama(config)
-    model = parallelize_llama(copy.deepcopy(reference), mesh["tp"], sequence_parallel=True)
+    reference, model = _plain_and_parallelized(mesh["tp"])
     options = {
         "muon": {"lr": 0.02, "weight_decay": 0.1, "adjust_lr_fn": adjust_lr_fn},
         "adamw": {"lr": 3e-3, "weight_decay": 0.01, "betas": (0.9, 0.95), "eps": 1e-8},
@@ -448,10 +447,8 @@ def bf16_case(rank: int, world_size: int) -> dict:
     mesh = _mesh()
     dp_rank = mesh["dp"].get_local_rank()
     config = LlamaConfig()
-    torch.manual_seed(0)
-    plain = Llama(config)
-    ours = parallelize_llama(copy.deepcopy(plain), mesh["tp"], sequence_parallel=True)
-    theirs = parallelize_llama(copy.deepcopy(plain), mesh["tp"], sequence_parallel=True)
+    _, ours = _plain_and_parallelized(mesh["tp"])
+    _, theirs = _plain_and_parallelized(mesh["tp"])
     bf16 = gs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     ours = gs.shard(ours, gs.decay_groups(ours, 0.1), unit=Block, mesh=mesh["dp"],
                     mixed_precision=bf16)  # fmt: skip
@@ -498,10 +495,7 @@ def adafactor_case(rank: int, world_size: int, strategy: str) -> list[str]:
     dp, and Adafactor on the plain model, with the same full gradients each step: the
     parameters that differ (its factored moments need each whole matrix)."""
     mesh = _mesh()
-    config = LlamaConfig()
-    torch.manual_seed(0)
-    reference = Llama(config)
-    model = parallelize_llama(copy.deepcopy(reference), mesh["tp"], sequence_parallel=True)
+    reference, model = _plain_and_parallelized(mesh["tp"])
     model = gs.shard(model, gs.decay_groups(model, 0.1), unit=Block, strategy=strategy,
                      mesh=mesh["dp"])  # fmt: skip
     ours = gs.optim.WholeParamOptimizer(
@@ -527,8 +521,7 @@ def scaler_case(rank: int, world_size: int) -> dict:
     gradient only: every rank skips the step (no weight changes) and halves the scale; the
     next step, without one, moves the weights."""
     mesh = _mesh()
-    torch.manual_seed(0)
-    model = parallelize_llama(Llama(LlamaConfig()), mesh["tp"], sequence_parallel=True)
+    _, model = _plain_and_parallelized(mesh["tp"])
     model = gs.shard(model, gs.decay_groups(model, 0.1), unit=Block, mesh=mesh["dp"])
     optimizer = torch.optim.AdamW(model.optimizer_groups(), lr=1e-2)
     scaler = gs.GradScaler(model, init_scale=2.0**4)
