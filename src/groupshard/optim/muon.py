@@ -144,6 +144,12 @@ def _write_orthogonalized(
         torch._foreach_copy_(list(pieces), list(ortho.reshape(-1).split(sizes)))
 
 
+def _split_over_tp(tensor_parallel: TensorParallelism | None, fqn: str) -> bool:
+    """Whether tensor parallelism splits the matrix ``fqn`` (by rows or columns)."""
+    param = None if tensor_parallel is None else tensor_parallel.params.get(fqn)
+    return param is not None and param.shard_dim is not None
+
+
 def _add_orthogonalized(
     target: torch.Tensor,
     update: torch.Tensor,
@@ -308,6 +314,8 @@ class Muon(torch.optim.Optimizer):
         exchanges = self._plans()
         updates: dict[int, torch.Tensor] = {}  # id(sharded param) -> momentum-updated grad
         adamw_groups = []
+        over_tp: list[tuple[Any, ...]] = []  # held whole here, split over tp (_local_step)
+        tensor_parallel = None
         for group in self.param_groups:
             if not group["use_muon"]:
                 adamw_groups.append(group)
@@ -320,7 +328,12 @@ class Muon(torch.optim.Optimizer):
                 if segments is not None and segments.needs_reduce:
                     updates[id(param)] = update
                 else:
-                    self._local_step(param, update, group, segments)
+                    self._local_step(param, update, group, segments, over_tp)
+                    if segments is not None and segments.tensor_parallel is not None:
+                        tensor_parallel = segments.tensor_parallel
+        if over_tp:
+            assert tensor_parallel is not None
+            self._add_orthogonalized_over_tp(tensor_parallel, over_tp)
         started = []
         for exchange in exchanges:
             if not exchange.checked:
@@ -352,9 +365,11 @@ class Muon(torch.optim.Optimizer):
         update: torch.Tensor,
         group: dict[str, Any],
         segments: ShardSegments | None,
+        over_tp: list[tuple[Any, ...]],
     ) -> None:
         """A parameter this rank holds whole (a plain tensor, or a shard of a buffer held
-        whole): orthogonalize here, as torch.optim.Muon does."""
+        whole): orthogonalize here, as torch.optim.Muon does; matrices split over tp go to
+        ``over_tp`` (``_add_orthogonalized_over_tp``)."""
         lr = _scalar(group["lr"])
         ns = group["ns_coefficients"], group["ns_steps"], group["eps"]
         if segments is None:
@@ -373,9 +388,35 @@ class Muon(torch.optim.Optimizer):
                 continue
             begin = slot.offset - start
             span = slice(begin, begin + slot.numel)
-            _add_orthogonalized(
-                values[span], flat[span], group, rows, cols, slot.fqn, segments.tensor_parallel
+            tensor_parallel = segments.tensor_parallel
+            if _split_over_tp(tensor_parallel, slot.fqn):  # with the others, after the loop
+                over_tp.append((values[span], flat[span], group, rows, cols, slot.fqn))
+                continue
+            _add_orthogonalized(values[span], flat[span], group, rows, cols)
+
+    def _add_orthogonalized_over_tp(
+        self, tensor_parallel: TensorParallelism, over_tp: list[tuple[Any, ...]]
+    ) -> None:
+        """``_add_orthogonalized`` of many matrices split over tp, held whole on this dp rank:
+        their Newton-Schulz shared out over tp (``apply_to_wholes``), two collectives."""
+
+        def newton_schulz(item: int, matrix: torch.Tensor) -> torch.Tensor:
+            group = over_tp[item][2]
+            return _newton_schulz(
+                matrix, group["ns_coefficients"], group["ns_steps"], group["eps"]
             )
+
+        items = [
+            (fqn, update.view(rows, cols).to(NS_DTYPE, copy=True))
+            for _, update, _, rows, cols, fqn in over_tp
+        ]
+        results = apply_to_wholes(
+            tensor_parallel, items, newton_schulz, lambda shape: newton_schulz_cost(*shape)
+        )
+        for (target, _, group, rows, cols, fqn), ortho in zip(over_tp, results, strict=True):
+            shape = whole_dims(tensor_parallel, fqn, (rows, cols))
+            lr = adjusted_lr(_scalar(group["lr"]), group["adjust_lr_fn"], *shape)
+            target.view(rows, cols).add_(ortho, alpha=-lr)
 
     def _exchange_start(
         self, exchange: OwnerExchange, updates: dict[int, torch.Tensor]
@@ -411,7 +452,7 @@ class Muon(torch.optim.Optimizer):
             whole = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
             fqn = exchange.tensors[index].fqn
             tp = self._tensor_parallel(exchange, index)
-            if tp is not None and fqn in tp.params and tp.params[fqn].shard_dim is not None:
+            if _split_over_tp(tp, fqn):
                 tensor_parallel = tp
                 split_over_tp.append((fqn, pieces, whole.view(rows, cols), group))
                 continue
@@ -423,9 +464,7 @@ class Muon(torch.optim.Optimizer):
         for index in sorted(exchange.solo):
             t = exchange.tensors[index]
             tp = self._tensor_parallel(exchange, index)
-            if flats[t.param] is None or tp is None or t.fqn not in tp.params:
-                continue
-            if tp.params[t.fqn].shard_dim is None:
+            if flats[t.param] is None or not _split_over_tp(tp, t.fqn):
                 continue
             rows, cols = self._dims(exchange, index)
             matrix = exchange.local_piece(flats[t.param], index).view(rows, cols)
