@@ -71,8 +71,7 @@ class ShardSegments:
             return None
         flags = []
         for slot, rows in zip(self.buffer.params, self.buffer.row_counts(), strict=True):
-            param = self.tensor_parallel.params.get(slot.fqn)
-            dim = None if param is None else param.shard_dim
+            dim = self.tensor_parallel.split_dim(slot.fqn)
             flags += [dim == 1 or (dim == 0 and len(slot.shape) < 2)] * rows
         return torch.tensor(flags, dtype=torch.bool, device=self.device)
 

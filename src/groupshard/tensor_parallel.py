@@ -63,12 +63,17 @@ class TensorParallelism:
     params: Mapping[str, TensorParallelParam]
     ranks: comm.Ranks  # the tp group
 
+    def split_dim(self, fqn: str) -> int | None:
+        """The dimension tp splits parameter ``fqn`` along; None where every tp rank holds
+        all of it (a Replicate parameter, a plain one of the TP'd model)."""
+        param = self.params.get(fqn)
+        return None if param is None else param.shard_dim
+
     def counted(self, fqn: str) -> bool:
         """Whether this rank's piece of ``fqn`` counts in a norm over the whole model: a
         Shard-placed parameter's pieces differ and add up; anything else is the same on
         every tp rank, counted once (by tp rank 0), not tp times."""
-        param = self.params.get(fqn)
-        return (param is not None and param.shard_dim is not None) or self.ranks.rank == 0
+        return self.split_dim(fqn) is not None or self.ranks.rank == 0
 
     def numel(self, fqn: str, local_numel: int) -> int:
         """The whole parameter's elements, from its local piece's."""
@@ -78,12 +83,20 @@ class TensorParallelism:
     def whole(self, fqn: str, local: torch.Tensor) -> torch.Tensor:
         """The whole parameter from every tp rank's ``local`` piece (collective over tp for a
         Shard-placed parameter; every tp rank must call it for the same ``fqn``)."""
-        param = self.params.get(fqn)
-        if param is None or param.shard_dim is None:
+        dim = self.split_dim(fqn)
+        if dim is None:
             return local
         pieces = local.new_empty((self.ranks.size, *local.shape))
         comm.all_gather(pieces, local.contiguous(), self.ranks)
-        return torch.cat(pieces.unbind(0), dim=param.shard_dim)
+        return torch.cat(pieces.unbind(0), dim=dim)
+
+    def piece(self, fqn: str, whole: torch.Tensor, rank: int | None = None) -> torch.Tensor:
+        """Tp rank ``rank``'s (default: this rank's) piece of ``whole``, a tensor shaped like
+        parameter ``fqn`` (a view; the inverse of ``whole``)."""
+        dim = self.split_dim(fqn)
+        if dim is None:
+            return whole
+        return whole.chunk(self.ranks.size, dim=dim)[self.ranks.rank if rank is None else rank]
 
 
 def whole_dims(
@@ -95,35 +108,19 @@ def whole_dims(
     return tuple(tensor_parallel.params[fqn].shape)
 
 
-def apply_to_whole(
-    tensor_parallel: TensorParallelism | None,
-    fqn: str,
-    local: torch.Tensor,
-    fn: Callable[[torch.Tensor], torch.Tensor],
-) -> torch.Tensor:
-    """This rank's piece of ``fn(whole parameter)``, for a function of the whole matrix
-    (Muon's Newton-Schulz): the tp ranks' ``local`` pieces are gathered in placement order
-    (Shard(0): rows, Shard(1): columns; collective over tp, each peer must call it for the
-    same ``fqn``), ``fn`` runs on the whole on every tp rank, and each keeps its piece."""
-    param = None if tensor_parallel is None else tensor_parallel.params.get(fqn)
-    if param is None or param.shard_dim is None:
-        return fn(local)
-    assert tensor_parallel is not None
-    result = fn(tensor_parallel.whole(fqn, local))
-    return result.chunk(tensor_parallel.ranks.size, dim=param.shard_dim)[tensor_parallel.ranks.rank]
-
-
 def apply_to_wholes(
     tensor_parallel: TensorParallelism,
     items: Sequence[tuple[str, torch.Tensor]],
     fn: Callable[[int, torch.Tensor], torch.Tensor],
     cost: Callable[[torch.Size], float],
 ) -> list[torch.Tensor]:
-    """``apply_to_whole`` for many Shard-placed parameters, with the work shared over tp:
-    one all-gather of every ``(fqn, local piece)``'s pieces over tp, each whole given to
-    one tp rank (largest ``cost`` first to the least loaded, the same on every rank), which
-    runs ``fn(item index, whole)``, and one all-to-all bringing each rank its pieces of
-    the results. Returns this rank's piece of each result, in ``items``' order."""
+    """This rank's piece of ``fn(item index, whole parameter)`` for each ``(fqn, local
+    piece)`` of Shard-placed parameters (Muon's Newton-Schulz of whole matrices), the work
+    shared over tp: one all-gather of every item's pieces over tp (placement order:
+    Shard(0) by rows, Shard(1) by columns), each whole given to one tp rank (largest
+    ``cost`` first to the least loaded, the same on every rank), and one all-to-all
+    bringing each rank its pieces of the results. Collective over tp: every tp rank calls
+    it with the same items. Returns the pieces in ``items``' order."""
     ranks = tensor_parallel.ranks
     size, me = ranks.size, ranks.rank
     numels = [local.numel() for _, local in items]
@@ -139,11 +136,15 @@ def apply_to_wholes(
     send = []
     for index in mine:
         fqn, local = items[index]
-        dim = tensor_parallel.params[fqn].shard_dim
+        dim = tensor_parallel.split_dim(fqn)
         whole = torch.cat([piece.view(local.shape) for piece in pieces[index]], dim=dim)
-        send.append(fn(index, whole).chunk(size, dim=dim))  # every rank's piece
+        send.append((fqn, fn(index, whole)))
     values = torch.cat(
-        [send[k][rank].reshape(-1) for rank in range(size) for k in range(len(mine))]
+        [
+            tensor_parallel.piece(fqn, result, rank).reshape(-1)
+            for rank in range(size)
+            for fqn, result in send
+        ]
         or [gathered.new_empty(0)]
     )
     # from each rank, its results' pieces for this rank, in item order

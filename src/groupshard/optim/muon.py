@@ -29,12 +29,7 @@ from groupshard.optim.owners import (
     by_process_group,
 )
 from groupshard.segments import ShardSegments, segments_of
-from groupshard.tensor_parallel import (
-    TensorParallelism,
-    apply_to_whole,
-    apply_to_wholes,
-    whole_dims,
-)
+from groupshard.tensor_parallel import TensorParallelism, apply_to_wholes, whole_dims
 
 __all__ = ["Muon", "Ownership", "assign_owners", "newton_schulz_cost", "zeropower_via_newtonschulz"]
 
@@ -146,32 +141,50 @@ def _write_orthogonalized(
 
 def _split_over_tp(tensor_parallel: TensorParallelism | None, fqn: str) -> bool:
     """Whether tensor parallelism splits the matrix ``fqn`` (by rows or columns)."""
-    param = None if tensor_parallel is None else tensor_parallel.params.get(fqn)
-    return param is not None and param.shard_dim is not None
+    return tensor_parallel is not None and tensor_parallel.split_dim(fqn) is not None
 
 
-def _add_orthogonalized(
+def _subtract_update(
     target: torch.Tensor,
-    update: torch.Tensor,
+    ortho: torch.Tensor,
     group: dict[str, Any],
     rows: int,
     cols: int,
-    fqn: str = "",
-    tensor_parallel: TensorParallelism | None = None,
+    whole: Sequence[int] | None = None,
+) -> None:
+    """Subtract the group's learning rate, adjusted by the matrix's shape (``whole``: the
+    whole matrix's, of which ``rows`` x ``cols`` is this rank's piece under tensor
+    parallelism), times ``ortho`` from ``target`` (a matrix's elements, row-major)."""
+    lr = adjusted_lr(_scalar(group["lr"]), group["adjust_lr_fn"], *(whole or (rows, cols)))
+    target.view(rows, cols).add_(ortho, alpha=-lr)
+
+
+def _add_orthogonalized(
+    target: torch.Tensor, update: torch.Tensor, group: dict[str, Any], rows: int, cols: int
 ) -> None:
     """Subtract the group's adjusted learning rate times the orthogonalized ``update`` (a
-    matrix's elements, row-major) from ``target`` (the same elements of the parameter).
-    Under tensor parallelism ``rows`` x ``cols`` is this rank's piece of the matrix
-    ``fqn``: Newton-Schulz runs on the whole (``apply_to_whole``), the learning rate is
-    adjusted by the whole's shape."""
-    ns = group["ns_coefficients"], group["ns_steps"], group["eps"]
-    ortho = apply_to_whole(
-        tensor_parallel, fqn, update.view(rows, cols),
-        lambda matrix: zeropower_via_newtonschulz(matrix, *ns),
+    matrix's elements, row-major) from ``target`` (the same elements of the parameter)."""
+    ortho = zeropower_via_newtonschulz(
+        update.view(rows, cols), group["ns_coefficients"], group["ns_steps"], group["eps"]
+    )
+    _subtract_update(target, ortho, group, rows, cols)
+
+
+def _orthogonalized_over_tp(
+    tensor_parallel: TensorParallelism, items: Sequence[tuple[str, torch.Tensor, dict[str, Any]]]
+) -> list[torch.Tensor]:
+    """This rank's pieces of the orthogonalized whole matrices of ``(fqn, bfloat16 piece,
+    group)`` items split over tp, the Newton-Schulz shared out over tp (``apply_to_wholes``,
+    balanced by its cost); Newton-Schulz may scale the pieces in place."""
+
+    def newton_schulz(item: int, matrix: torch.Tensor) -> torch.Tensor:
+        group = items[item][2]
+        return _newton_schulz(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
+
+    return apply_to_wholes(
+        tensor_parallel, [(fqn, matrix) for fqn, matrix, _ in items], newton_schulz,
+        lambda shape: newton_schulz_cost(*shape),
     )  # fmt: skip
-    whole_rows, whole_cols = whole_dims(tensor_parallel, fqn, (rows, cols))
-    lr = adjusted_lr(_scalar(group["lr"]), group["adjust_lr_fn"], whole_rows, whole_cols)
-    target.view(rows, cols).add_(ortho, alpha=-lr)
 
 
 class Muon(torch.optim.Optimizer):
@@ -394,29 +407,20 @@ class Muon(torch.optim.Optimizer):
                 continue
             _add_orthogonalized(values[span], flat[span], group, rows, cols)
 
+    @staticmethod
     def _add_orthogonalized_over_tp(
-        self, tensor_parallel: TensorParallelism, over_tp: list[tuple[Any, ...]]
+        tensor_parallel: TensorParallelism, over_tp: list[tuple[Any, ...]]
     ) -> None:
-        """``_add_orthogonalized`` of many matrices split over tp, held whole on this dp rank:
-        their Newton-Schulz shared out over tp (``apply_to_wholes``), two collectives."""
-
-        def newton_schulz(item: int, matrix: torch.Tensor) -> torch.Tensor:
-            group = over_tp[item][2]
-            return _newton_schulz(
-                matrix, group["ns_coefficients"], group["ns_steps"], group["eps"]
-            )
-
+        """``_add_orthogonalized`` of the matrices split over tp that this dp rank holds
+        whole, their Newton-Schulz shared out over tp (two collectives)."""
         items = [
-            (fqn, update.view(rows, cols).to(NS_DTYPE, copy=True))
-            for _, update, _, rows, cols, fqn in over_tp
+            (fqn, update.view(rows, cols).to(NS_DTYPE, copy=True), group)
+            for _, update, group, rows, cols, fqn in over_tp
         ]
-        results = apply_to_wholes(
-            tensor_parallel, items, newton_schulz, lambda shape: newton_schulz_cost(*shape)
-        )
+        results = _orthogonalized_over_tp(tensor_parallel, items)
         for (target, _, group, rows, cols, fqn), ortho in zip(over_tp, results, strict=True):
-            shape = whole_dims(tensor_parallel, fqn, (rows, cols))
-            lr = adjusted_lr(_scalar(group["lr"]), group["adjust_lr_fn"], *shape)
-            target.view(rows, cols).add_(ortho, alpha=-lr)
+            whole = tensor_parallel.params[fqn].shape
+            _subtract_update(target, ortho, group, rows, cols, whole)
 
     def _exchange_start(
         self, exchange: OwnerExchange, updates: dict[int, torch.Tensor]
@@ -439,7 +443,10 @@ class Muon(torch.optim.Optimizer):
     ) -> None:
         """Newton-Schulz on whole matrices, slices back to their ranks, update."""
         pending.wait()
-        split_over_tp = []  # (pieces, whole, group) of owned matrices tensor parallelism splits
+        # owned matrices tensor parallelism splits: (fqn, matrix, group), and their pieces
+        # to send back (None: held whole here, applied below)
+        split_over_tp: list[tuple[str, torch.Tensor, dict[str, Any]]] = []
+        pieces_of: list[list[torch.Tensor] | None] = []
         tensor_parallel = None
         for position, index in enumerate(exchange.owned):
             if index in exchange.solo:
@@ -454,7 +461,8 @@ class Muon(torch.optim.Optimizer):
             tp = self._tensor_parallel(exchange, index)
             if _split_over_tp(tp, fqn):
                 tensor_parallel = tp
-                split_over_tp.append((fqn, pieces, whole.view(rows, cols), group))
+                split_over_tp.append((fqn, whole.view(rows, cols), group))
+                pieces_of.append(pieces)
                 continue
             ortho = _newton_schulz(
                 whole.view(rows, cols), group["ns_coefficients"], group["ns_steps"], group["eps"]
@@ -471,23 +479,16 @@ class Muon(torch.optim.Optimizer):
             solo_over_tp[index] = len(split_over_tp)
             tensor_parallel = tp
             group = self.param_groups[t.group]
-            split_over_tp.append((t.fqn, None, matrix.to(NS_DTYPE, copy=True), group))
+            split_over_tp.append((t.fqn, matrix.to(NS_DTYPE, copy=True), group))
+            pieces_of.append(None)
         over_tp: list[torch.Tensor] = []
         if split_over_tp:  # the whole matrices over tp, their Newton-Schulz shared by tp
             assert tensor_parallel is not None
-
-            def newton_schulz(item: int, matrix: torch.Tensor) -> torch.Tensor:
-                group = split_over_tp[item][3]
-                ns = group["ns_coefficients"], group["ns_steps"], group["eps"]
-                return _newton_schulz(matrix, *ns)
-
-            over_tp = apply_to_wholes(
-                tensor_parallel, [(fqn, matrix) for fqn, _, matrix, _ in split_over_tp],
-                newton_schulz, lambda shape: newton_schulz_cost(*shape),
-            )  # fmt: skip
-            for (_, pieces, matrix, _), ortho in zip(split_over_tp, over_tp, strict=True):
-                if pieces is not None:  # else held whole here: applied below
-                    _write_orthogonalized(ortho, matrix, pieces)
+            over_tp = _orthogonalized_over_tp(tensor_parallel, split_over_tp)
+            for item, (_, matrix, _) in enumerate(split_over_tp):
+                pieces = pieces_of[item]
+                if pieces is not None:
+                    _write_orthogonalized(over_tp[item], matrix, pieces)
         back = exchange.back(received, send)
         for param, flat, index in zip(exchange.params, flats, exchange.groups, strict=True):
             if flat is not None:
@@ -500,16 +501,12 @@ class Muon(torch.optim.Optimizer):
                 continue
             rows, cols = self._dims(exchange, index)
             target = exchange.local_piece(exchange.params[t.param], index)
+            group = self.param_groups[t.group]
             if index in solo_over_tp:  # orthogonalized over tp above
-                group = self.param_groups[t.group]
-                shape = whole_dims(self._tensor_parallel(exchange, index), t.fqn, (rows, cols))
-                lr = adjusted_lr(_scalar(group["lr"]), group["adjust_lr_fn"], *shape)
-                target.view(rows, cols).add_(over_tp[solo_over_tp[index]], alpha=-lr)
+                whole = whole_dims(self._tensor_parallel(exchange, index), t.fqn, (rows, cols))
+                _subtract_update(target, over_tp[solo_over_tp[index]], group, rows, cols, whole)
                 continue
-            _add_orthogonalized(
-                target, exchange.local_piece(flat, index), self.param_groups[t.group], rows,
-                cols, t.fqn, self._tensor_parallel(exchange, index),
-            )  # fmt: skip
+            _add_orthogonalized(target, exchange.local_piece(flat, index), group, rows, cols)
         back.wait()
         by_alpha: dict[float, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         for index, result in exchange.returned_pieces(send):

@@ -306,13 +306,11 @@ class WholeParamOptimizer(torch.optim.Optimizer):
         """What the inner optimizer steps for ``fqn``: its whole tensor here, or, for a
         parameter tensor parallelism splits, the whole over tp (kept between steps, so its
         state lives on; ``_gather_over_tp`` fills it)."""
-        param = None if tensor_parallel is None else tensor_parallel.params.get(fqn)
-        if param is None or param.shard_dim is None:
+        if tensor_parallel is None or tensor_parallel.split_dim(fqn) is None:
             return self._wholes[fqn]
-        assert tensor_parallel is not None
         (self._tp_local if local else self._tp_assembled).append(fqn)
         if fqn not in self._across_tp:
-            whole = self._wholes[fqn].new_zeros(param.shape)
+            whole = self._wholes[fqn].new_zeros(tensor_parallel.params[fqn].shape)
             self._across_tp[fqn] = (whole, tensor_parallel)
         return self._across_tp[fqn][0]
 
@@ -334,9 +332,7 @@ class WholeParamOptimizer(torch.optim.Optimizer):
         """Each tp rank's piece of the stepped whole back into its tensor (and shard)."""
         for fqn in fqns:
             whole, tensor_parallel = self._across_tp[fqn]
-            dim = tensor_parallel.params[fqn].shard_dim
-            size, rank = tensor_parallel.ranks.size, tensor_parallel.ranks.rank
-            self._wholes[fqn].detach().copy_(whole.chunk(size, dim=dim)[rank])
+            self._wholes[fqn].detach().copy_(tensor_parallel.piece(fqn, whole))
             whole.grad = None
 
     def _build_inner(self, per_group: list[list[torch.Tensor]]) -> None:
