@@ -65,7 +65,6 @@ class FlatStorage:
     ) -> None:
         self.layout = layout
         # the DTensor parameters among ours, stored as their local pieces
-        self.tensor_parallel = tensor_parallel
         self._tp_params = {
             slot.fqn: tensor_parallel.params[slot.fqn]
             for b in layout.buffers
