@@ -32,6 +32,10 @@ SCRIPTS = {
     ("tensor-parallel.md", 0): r"mesh \(2, 2\) \('dp', 'tp'\): 10 steps, loss ([\d.]+); rank 0 "
     r"holds (\d+) of (\d+) elements; one process differs by ([\d.e+-]+); head.weight norm "
     r"([\d.]+)",
+    ("tensor-parallel.md", 1): r"saved at dp 2 x tp 2, resumed on 4 ranks without TP: differs "
+    r"by ([\d.e+-]+); one process reads 0.up.weight \(128, 32\)",
+    ("tensor-parallel.md", 2): r"rank 0 holds (\d+) of (\d+) elements, read (\d+) bytes of the "
+    r"file; the model is the file's: True",
     ("regroup.md", 0): r"10 steps, the backbone unfrozen at step 5: loss ([\d.]+), "
     r"learning rates 1.50e-03, 5.00e-05",
     ("whole-param-optimizers.md", 0): r"Adafactor: 10 steps, loss ([\d.]+); rank 0 steps "
@@ -45,7 +49,12 @@ shows that line). Each guide's first block; every block of integrations.md."""
 # (accelerate's PartialState), each in its own
 OWN_LAUNCH = {"integrations.md", "lightning.md", "tensor-parallel.md"}
 # scripts on a 2 x 2 (dp, tp) mesh, each in a launch of its own; the others run on 2 processes
-NPROC = {("tensor-parallel.md", 0): 4, ("layerwise-optimizers-and-muon.md", 3): 4}
+NPROC = {
+    ("tensor-parallel.md", 0): 4,
+    ("tensor-parallel.md", 1): 4,
+    ("tensor-parallel.md", 2): 4,
+    ("layerwise-optimizers-and-muon.md", 3): 4,
+}
 GUIDES_WITHOUT_CODE = {"muon-design.md", "overlap.md", "usage.md", "when-something-fails.md"}
 
 
@@ -77,6 +86,12 @@ def _a_quarter_and_one_process(loss: str, held: str, total: str, differs: str, n
     return 0.2 <= int(held) / int(total) <= 0.35 and float(differs) < 2e-5
 
 
+def _a_quarter_held_and_read(held: str, total: str, read: str) -> bool:
+    """At 2 x 2 a rank holds and reads about a quarter of the model (the norms' weights are
+    split over dp only)."""
+    return 0.2 <= int(held) / int(total) <= 0.3 and int(read) <= 0.3 * 4 * int(total)
+
+
 def _one_process_under_tp(lamb: str, lamb_norm: str, muon: str, muon_norm: str) -> bool:
     """LAMB within float precision of one process (tensor parallelism reorders sums); Muon
     within a few percent of one update (lr 0.02: bf16 Newton-Schulz amplifies the reordered
@@ -96,6 +111,8 @@ CHECKS = {
     ("checkpoints.md", 0): _crossed_equals_alone,
     ("integrations.md", 1): _state_for_a_shard_of_lora_only,
     ("tensor-parallel.md", 0): _a_quarter_and_one_process,
+    ("tensor-parallel.md", 1): lambda differs: float(differs) < 2e-5,
+    ("tensor-parallel.md", 2): _a_quarter_held_and_read,
     ("layerwise-optimizers-and-muon.md", 3): _one_process_under_tp,
 }
 

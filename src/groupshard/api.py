@@ -48,7 +48,6 @@ from groupshard.sharding import (
 from groupshard.storage import FlatStorage
 from groupshard.tensor_parallel import (
     TensorParallelism,
-    check_tensor_parallel_options,
     data_parallel_ranks,
     find_tensor_parallelism,
     local_parameters,
@@ -485,8 +484,6 @@ def shard(
         plan = plan_units(model, unit)
         params = local_parameters(dict(model.named_parameters()), tensor_parallel)
         meta = bool(meta_parameters(params))
-        if tensor_parallel is not None:
-            check_tensor_parallel_options(meta)
         world_size = 1 if strategy == "no_shard" else sharding.shard.size
         layouts = plan_storages(groups, plan, params, world_size)
         modules = dict(model.named_modules())
@@ -523,6 +520,7 @@ def shard(
             base_seed=agreed_seed(torch.initial_seed(), ranks, target)
             if options.sync_module_states
             else torch.initial_seed(),
+            tensor_parallel=tensor_parallel,
         )
         if target is not None
         else None

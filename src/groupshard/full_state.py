@@ -20,6 +20,11 @@ from groupshard.flatten import plain_optimizer_state
 from groupshard.safetensors_io import load_safetensors
 from groupshard.segments import segments_of
 from groupshard.sharding import ShardingState, originals_installed, sharding_state
+from groupshard.tensor_parallel import (
+    TensorParallelism,
+    refuse_under_tensor_parallelism,
+    whole_dims,
+)
 from groupshard.writes import note_parameters_written
 
 
@@ -71,7 +76,7 @@ def _expected_entries(model: nn.Module) -> dict[str, tuple[str | None, torch.Siz
     state = model.groupshard
     entries: dict[str, tuple[str | None, torch.Size]] = {}
     slots = {
-        slot.fqn: torch.Size(slot.shape)
+        slot.fqn: torch.Size(whole_dims(state.tensor_parallel, slot.fqn, slot.shape))
         for storage in state.storages
         for buffer in storage.layout.buffers
         for slot in buffer.params
@@ -130,7 +135,8 @@ def load_full_state_dict(
       rank reads only the rows its shards hold (``groupshard.safetensors_io``) and the
       bytes it read are returned.
     """
-    state = sharding_state(model, "load_full_state_dict", "part 3, issue 54")
+    state = sharding_state(model, "load_full_state_dict")
+    tensor_parallel = state.tensor_parallel
     if isinstance(source, (str, os.PathLike)):
         return load_safetensors(model, source)
     if not isinstance(source, Mapping):
@@ -147,7 +153,7 @@ def load_full_state_dict(
     by_fqn = {fqn: state_dict[name] for name, (fqn, _) in expected.items() if fqn}
     for storage in state.storages:
         for shard, buffer in zip(storage.shards, storage.layout.buffers, strict=True):
-            values = [by_fqn[slot.fqn] for slot in buffer.params]
+            values = [_local(tensor_parallel, slot.fqn, by_fqn[slot.fqn]) for slot in buffer.params]
             shard.copy_(flatten.shard_of(values, buffer, storage.shard_rank, shard))
     note_parameters_written()
     buffers = dict(model.named_buffers())
@@ -157,44 +163,73 @@ def load_full_state_dict(
     return None
 
 
+def _local(
+    tensor_parallel: TensorParallelism | None, fqn: str, whole: torch.Tensor
+) -> torch.Tensor:
+    """What this rank's flat buffers hold of parameter ``fqn``: all of it, or under tensor
+    parallelism its tp piece."""
+    return whole if tensor_parallel is None else tensor_parallel.piece(fqn, whole)
+
+
 def _load_from_rank0(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
     """Rank 0 checks and flattens each buffer of ``state_dict``; one broadcast per flat
-    buffer and model buffer gives every rank its slices."""
+    buffer and model buffer gives every rank its slices. Under tensor parallelism rank 0
+    of the whole mesh broadcasts each parameter whole and every rank keeps its tp piece."""
     state = model.groupshard
+    tensor_parallel = state.tensor_parallel
+    ranks = state.model_ranks
     expected = _expected_entries(model)
     error: BaseException | None = None
-    if state.ranks.rank == 0:
+    if ranks.rank == 0:
         try:
             _check_model_state_dict(expected, dict(state_dict))
         except ValueError as caught:
             error = caught
-    comm.raise_if_any_failed(error, state.ranks)
+    comm.raise_if_any_failed(error, ranks)
     by_fqn = (
         {fqn: state_dict[name] for name, (fqn, _) in expected.items() if fqn}
-        if (state.ranks.rank == 0)
+        if ranks.rank == 0
         else {}
     )
     for storage in state.storages:
         for shard, buffer in zip(storage.shards, storage.layout.buffers, strict=True):
-            if state.ranks.rank == 0:
+            if tensor_parallel is not None:
+                values = []
+                for slot in buffer.params:
+                    shape = whole_dims(tensor_parallel, slot.fqn, slot.shape)
+                    whole = (
+                        by_fqn[slot.fqn].to(shard.device, shard.dtype).contiguous()
+                        if ranks.rank == 0
+                        else shard.new_empty(shape)
+                    )
+                    comm.broadcast(whole, ranks)
+                    values.append(tensor_parallel.piece(slot.fqn, whole))
+                shard.copy_(flatten.shard_of(values, buffer, storage.shard_rank, shard))
+                continue
+            if ranks.rank == 0:
                 values = [by_fqn[slot.fqn].to(shard.device, shard.dtype) for slot in buffer.params]
                 flat = flatten.flatten(values, buffer)
             else:
                 flat = shard.new_empty(buffer.padded_numel)
-            comm.broadcast(flat, state.ranks)
+            comm.broadcast(flat, ranks)
             start, end = buffer.shard_range(storage.shard_rank)
             shard.copy_(flat[start:end])
     note_parameters_written()
     buffers = dict(model.named_buffers())
     for name, (fqn, _) in expected.items():
         if fqn is None and name in buffers:
-            if state.ranks.rank == 0:
+            if ranks.rank == 0:
                 buffers[name].copy_(state_dict[name])
-            comm.broadcast(buffers[name].data, state.ranks)
+            comm.broadcast(buffers[name].data, ranks)
 
 
 def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> ShardingState:
-    state = sharding_state(model, "optimizer state dicts", "part 3, issue 54")
+    state = sharding_state(model, "optimizer state dicts")
+    whole_params = hasattr(optimizer, "fqn_state")  # gs.optim.WholeParamOptimizer
+    if state.tensor_parallel is not None and whole_params:
+        refuse_under_tensor_parallelism(
+            "The state of gs.optim.WholeParamOptimizer", "a later part of issue 53"
+        )
     groups = state.groups.groups
     if len(optimizer.param_groups) != len(groups):
         raise ValueError(
@@ -233,6 +268,11 @@ def optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
                 optimizer.state.get(shard, {}), shard, segments.buffer, segments.ranks,
                 segments.replicated,
             )  # fmt: skip
+            if state.tensor_parallel is not None:  # the local pieces' state: made whole
+                entries = [
+                    state.tensor_parallel.whole_state(slot.fqn, slot.shape, entry)
+                    for slot, entry in zip(segments.buffer.params, entries, strict=True)
+                ]
             per_fqn.update(zip(segments.fqns, entries, strict=True))
     groups = [
         (resolved.listed, {k: v for k, v in group.items() if k != "params"})
@@ -285,6 +325,11 @@ def load_optim_state_dict(
             segments = segments_of(shard)
             assert segments is not None
             entries = [state_dict["state"].get(index_of[fqn]) for fqn in segments.fqns]
+            if state.tensor_parallel is not None:  # whole parameters' state: this rank's pieces
+                entries = [
+                    None if entry is None else state.tensor_parallel.local_state(fqn, entry)
+                    for fqn, entry in zip(segments.fqns, entries, strict=True)
+                ]
             optimizer.state.pop(shard, None)
             if all(entry is None for entry in entries):
                 continue

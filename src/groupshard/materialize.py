@@ -35,6 +35,7 @@ from torch import nn
 
 from groupshard import comm
 from groupshard.layout import StorageLayout
+from groupshard.tensor_parallel import TensorParallelism
 from groupshard.units import UnitPlan, enclosing_unit
 
 ParamInitFn = Callable[[nn.Module], None]
@@ -172,6 +173,7 @@ def materialize_unit(
     device: torch.device,
     param_init_fn: ParamInitFn | None,
     base_seed: int,
+    tensor_parallel: TensorParallelism | None = None,
 ) -> tuple[list[torch.Tensor], dict[torch.dtype, torch.Tensor]]:
     """Allocate and initialize the parameters the unit owns and its modules' buffers.
 
@@ -180,10 +182,14 @@ def materialize_unit(
     unit's full parameters take one allocation per dtype and no copy before sharding.
     A meta tensor cannot take real data, so each parameter is replaced by a new
     ``nn.Parameter`` in every module that registers it and in ``params`` (by FQN).
+    Under tensor parallelism the flat buffers hold local pieces; the modules get each
+    DTensor parameter back around its piece, so initialization sees the whole
+    parameter's shape (fan-in and fan-out) and placement.
     """
     modules = dict(model.named_modules())
     owned = [fqn for fqn, owner in plan.owner.items() if owner == unit_name]
     flats: dict[torch.dtype, torch.Tensor] = {}
+    registered: dict[str, nn.Parameter] = {}  # what the modules hold, by FQN
     for layout in layouts[unit_name]:
         flat = torch.zeros(
             sum(b.padded_numel for b in layout.buffers), dtype=layout.dtype, device=device
@@ -199,10 +205,14 @@ def materialize_unit(
                     requires_grad=old.requires_grad,
                 )
                 params[slot.fqn] = new
+                if tensor_parallel is not None and slot.fqn in tensor_parallel.params:
+                    wrapped = tensor_parallel.params[slot.fqn].wrap(new.detach())
+                    new = nn.Parameter(wrapped, requires_grad=old.requires_grad)
+                registered[slot.fqn] = new
                 for module_name, attr in plan.registrations[slot.fqn]:
                     modules[module_name]._parameters[attr] = new
             offset += buffer.padded_numel
-    fresh = {id(params[fqn]) for fqn in owned}
+    fresh = {id(registered[fqn]) for fqn in owned}
     buffers: list[torch.Tensor] = []
     for module_name, module in _modules_of_unit(model, plan, unit_name):
         materialized = False  # a tied parameter is initialized by its first module

@@ -23,7 +23,9 @@ import torch
 from torch import nn
 
 from groupshard import comm
+from groupshard.layout import Box
 from groupshard.sharding import sharding_state
+from groupshard.tensor_parallel import whole_dims
 from groupshard.writes import note_parameters_written
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -90,16 +92,25 @@ class _Reader:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.handle(name).get_slice(name).get_shape())
 
-    def flat_range(self, name: str, first: int, last: int) -> torch.Tensor:
-        """Elements ``first:last`` of the flattened tensor ``name``, reading whole rows."""
+    def flat_range(
+        self, name: str, first: int, last: int, region: Box | None = None
+    ) -> torch.Tensor:
+        """Elements ``first:last`` of the flattened tensor ``name``, reading whole rows; or,
+        given a ``region`` (a tensor-parallel rank's block of it), of the flattened block,
+        reading its rows only."""
         shape = self.shape(name)
         if len(shape) == 0:
             values = self.handle(name).get_tensor(name).reshape(-1)
             self.bytes_read += values.numel() * values.element_size()
             return values[first:last]
-        row = math.prod(shape[1:])
+        origin, sizes = region or ((0,) * len(shape), shape)
+        row = math.prod(sizes[1:])
         first_row, end_row = first // row, -(-last // row)
-        rows = self.handle(name).get_slice(name)[first_row:end_row]
+        index = (
+            slice(origin[0] + first_row, origin[0] + end_row),
+            *(slice(at, at + size) for at, size in zip(origin[1:], sizes[1:], strict=True)),
+        )
+        rows = self.handle(name).get_slice(name)[index]
         self.bytes_read += rows.numel() * rows.element_size()
         start = first - first_row * row
         return rows.reshape(-1)[start : start + last - first]
@@ -124,7 +135,7 @@ def _plan_reads(model: nn.Module, reader: _Reader) -> tuple[dict[str, str], list
     """The file's name for each parameter FQN, and what does not match (names, shapes)."""
     names, buffers = _names(model)
     shapes = {
-        slot.fqn: tuple(slot.shape)
+        slot.fqn: whole_dims(model.groupshard.tensor_parallel, slot.fqn, slot.shape)
         for storage in model.groupshard.storages
         for buffer in storage.layout.buffers
         for slot in buffer.params
@@ -163,7 +174,8 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike) -> int:
     Every parameter must be in the file (under any of its names, for tied ones) with its
     shape; an entry the model does not have is an error, on every rank.
     """
-    state = sharding_state(model, "load_safetensors", "part 3, issue 54")
+    state = sharding_state(model, "load_safetensors")
+    tensor_parallel = state.tensor_parallel
     error: BaseException | None = None
     bytes_read = 0
     try:
@@ -181,8 +193,13 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike) -> int:
                         last = min(slot.offset + slot.numel, end)
                         if last <= first:
                             continue
+                        region = (  # under tensor parallelism: the local piece's block
+                            None
+                            if tensor_parallel is None
+                            else tensor_parallel.region(slot.fqn, slot.shape)
+                        )
                         values = reader.flat_range(
-                            chosen[slot.fqn], first - slot.offset, last - slot.offset
+                            chosen[slot.fqn], first - slot.offset, last - slot.offset, region
                         )
                         target = storage.local[
                             local_start + first - start : local_start + last - start
@@ -194,18 +211,21 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike) -> int:
             bytes_read = reader.bytes_read
     except Exception as caught:  # every rank must hear of any failure
         error = caught
-    comm.raise_if_any_failed(error, state.ranks)
+    comm.raise_if_any_failed(error, state.model_ranks)
     note_parameters_written()
     return bytes_read
+
 
 
 def _entries(model: nn.Module) -> Iterator[tuple[str, torch.Size, torch.dtype]]:
     """What the file holds, in file order: each parameter once (under its FQN), in unit
     and layout order, then the persistent buffers."""
+    tensor_parallel = model.groupshard.tensor_parallel
     for storage in model.groupshard.storages:
         for buffer in storage.layout.buffers:
             for slot in buffer.params:
-                yield slot.fqn, torch.Size(slot.shape), storage.layout.dtype
+                shape = whole_dims(tensor_parallel, slot.fqn, slot.shape)
+                yield slot.fqn, torch.Size(shape), storage.layout.dtype
     for name, tensor in _names(model)[1].items():
         yield name, tensor.shape, tensor.dtype
 
@@ -269,18 +289,22 @@ def save_safetensors(model: nn.Module, path: str | os.PathLike) -> None:
     """Write the unsharded model to one safetensors file (parameters under their FQNs,
     tied ones once, and the persistent buffers), unit by unit. A collective: every rank
     calls it; rank 0 writes ``path`` (atomically: a temporary file renamed at the end)."""
-    state = sharding_state(model, "save_safetensors", "part 3, issue 54")
-    writer = _Writer(Path(f"{path}.tmp{os.getpid()}"), model) if state.ranks.rank == 0 else None
+    state = sharding_state(model, "save_safetensors")
+    tensor_parallel, ranks = state.tensor_parallel, state.model_ranks
+    writer = _Writer(Path(f"{path}.tmp{os.getpid()}"), model) if ranks.rank == 0 else None
     for storage in state.storages:
         params = storage.gather_params()  # one unit's parameters at a time
-        if writer is not None:
-            for buffer in storage.layout.buffers:
-                for slot in buffer.params:
-                    writer.write(lambda tensor=params[slot.fqn]: writer.file.write(_raw(tensor)))
+        for buffer in storage.layout.buffers:
+            for slot in buffer.params:
+                tensor = params[slot.fqn]
+                if tensor_parallel is not None:  # the local piece: whole over tp
+                    tensor = tensor_parallel.whole(slot.fqn, tensor)
+                if writer is not None:
+                    writer.write(lambda tensor=tensor: writer.file.write(_raw(tensor)))
         del params
     error = None
     if writer is not None:
         for tensor in _names(model)[1].values():
             writer.write(lambda tensor=tensor: writer.file.write(_raw(tensor)))
         error = writer.close(path)
-    comm.raise_if_any_failed(error, state.ranks)
+    comm.raise_if_any_failed(error, ranks)

@@ -50,6 +50,13 @@ class ShardingState:
         return self.mesh.world
 
     @property
+    def model_ranks(self) -> comm.Ranks:
+        """Every rank holding part of the model: ``ranks``, times the tp ranks under tensor
+        parallelism (what a checkpoint or a file of the whole model is written over)."""
+        tensor_parallel = self.tensor_parallel
+        return self.ranks if tensor_parallel is None else tensor_parallel.model_ranks
+
+    @property
     def storages(self) -> list[FlatStorage]:
         return self.runtime.storages
 

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from groupshard import comm
+from groupshard.layout import Box
 from groupshard.mesh import MESH_DIM_NAMES, MeshRanks
 
 SUPPORTED_PLACEMENTS = "Shard(0), Shard(1) or Replicate()"
@@ -62,6 +63,7 @@ class TensorParallelism:
 
     params: Mapping[str, TensorParallelParam]
     ranks: comm.Ranks  # the tp group
+    model_ranks: comm.Ranks  # every rank the model lives on (dp x tp): a checkpoint's group
 
     def split_dim(self, fqn: str) -> int | None:
         """The dimension tp splits parameter ``fqn`` along; None where every tp rank holds
@@ -90,6 +92,40 @@ class TensorParallelism:
         comm.all_gather(pieces, local.contiguous(), self.ranks)
         return torch.cat(pieces.unbind(0), dim=dim)
 
+    def region(self, fqn: str, local_shape: Sequence[int]) -> Box | None:
+        """Where this rank's local piece (of ``local_shape``) lies in the whole parameter
+        ``fqn``: ``(offsets, sizes)``; None where it is all of it."""
+        dim = self.split_dim(fqn)
+        if dim is None:
+            return None
+        offsets = [0] * len(local_shape)
+        offsets[dim] = self.ranks.rank * local_shape[dim]
+        return tuple(offsets), tuple(local_shape)
+
+    def whole_state(
+        self, fqn: str, local_shape: Sequence[int], state: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """Parameter ``fqn``'s optimizer ``state`` with its per-element tensors (shaped like
+        the local piece, ``local_shape``) made whole (collective over tp; every tp rank calls
+        it for the same parameters and keys, in order); scalars (``step``) as they are."""
+        if self.split_dim(fqn) is None:
+            return dict(state)
+        return {
+            key: self.whole(fqn, value) if _is_per_element(value, local_shape) else value
+            for key, value in state.items()
+        }
+
+    def local_state(self, fqn: str, state: Mapping[str, Any]) -> dict[str, Any]:
+        """The inverse of ``whole_state``: this rank's pieces of the whole parameter's
+        per-element state (no collective)."""
+        param = self.params.get(fqn)
+        if param is None or param.shard_dim is None:
+            return dict(state)
+        return {
+            key: self.piece(fqn, value) if _is_per_element(value, param.shape) else value
+            for key, value in state.items()
+        }
+
     def piece(self, fqn: str, whole: torch.Tensor, rank: int | None = None) -> torch.Tensor:
         """Tp rank ``rank``'s (default: this rank's) piece of ``whole``, a tensor shaped like
         parameter ``fqn`` (a view; the inverse of ``whole``)."""
@@ -97,6 +133,12 @@ class TensorParallelism:
         if dim is None:
             return whole
         return whole.chunk(self.ranks.size, dim=dim)[self.ranks.rank if rank is None else rank]
+
+
+def _is_per_element(value: Any, shape: Sequence[int]) -> bool:
+    """Whether an optimizer state value is laid out like a parameter of ``shape`` (a
+    split parameter has a dimension; ``step`` has none)."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == tuple(shape)
 
 
 def whole_dims(
@@ -232,7 +274,19 @@ def find_tensor_parallelism(
     if tp_mesh is None:
         return None
     _check_data_parallel_mesh(next(iter(found)), tp_mesh, mesh, world, strategy)
-    return TensorParallelism(found, comm.resolve_ranks(tp_mesh.get_group()))
+    return TensorParallelism(
+        found, comm.resolve_ranks(tp_mesh.get_group()), _model_ranks(tp_mesh)
+    )
+
+
+def _model_ranks(tp_mesh: Any) -> comm.Ranks:
+    """The ranks of the whole mesh ``tp_mesh`` is a dimension of: the world, or a group
+    of its ranks (torch's ``_flatten``) when the mesh spans only part of it."""
+    root = tp_mesh._get_root_mesh()
+    world = comm.resolve_ranks()
+    if root.size() == world.size:
+        return world
+    return comm.resolve_ranks(root._flatten().get_group())
 
 
 def _check_data_parallel_mesh(
@@ -270,15 +324,6 @@ def _check_data_parallel_mesh(
             f"{sorted(tp_ranks)} (tp): the data-parallel and tensor-parallel dimensions must "
             f"be the two dimensions of one mesh over all {world.size} ranks, crossing in "
             f"this rank ({me}) alone: pass {example}."
-        )
-
-
-def check_tensor_parallel_options(meta: bool) -> None:
-    """A ValueError for what gs.shard does not do with tensor parallelism yet."""
-    if meta:
-        refuse_under_tensor_parallelism(
-            "Building on the meta device (param_init_fn)", "part 3, issue 54: build the model "
-            "on a real device, then parallelize_module and gs.shard"
         )
 
 

@@ -44,6 +44,7 @@ from groupshard.full_state import check_optimizer
 from groupshard.optim.whole import WholeParamOptimizer
 from groupshard.segments import ShardSegments, segments_of
 from groupshard.sharding import sharding_state
+from groupshard.tensor_parallel import whole_dims
 from groupshard.writes import note_parameters_written
 from groupshard.zero import ZeroRedundancyOptimizer
 
@@ -59,21 +60,36 @@ class Saved:
     dtype: torch.dtype | None = None
 
 
-def flat_pieces(
-    flat: torch.Tensor, segments: ShardSegments, shapes: Sequence[torch.Size]
-) -> list[Piece]:
+def entry_shapes(segments: ShardSegments) -> list[torch.Size]:
+    """The checkpoint shape of each parameter of a flat buffer, in layout order: its own, or
+    under tensor parallelism the whole parameter's (the buffer holds local pieces)."""
+    return [
+        torch.Size(whole_dims(segments.tensor_parallel, slot.fqn, slot.shape))
+        for slot in segments.buffer.params
+    ]
+
+
+def flat_pieces(flat: torch.Tensor, segments: ShardSegments) -> list[Piece]:
     """Each parameter's piece of a shard-shaped tensor (a shard, or a per-element state
     laid out like it), in layout order. Pieces are views of ``flat``: DCP writes from and
-    reads into it."""
-    buffer = segments.buffer
+    reads into it. Under tensor parallelism a piece lies in the rank's local piece of the
+    whole parameter (its ``region``)."""
+    buffer, tensor_parallel = segments.buffer, segments.tensor_parallel
+    shapes = entry_shapes(segments)
+    regions = [
+        None if tensor_parallel is None else tensor_parallel.region(slot.fqn, slot.shape)
+        for slot in buffer.params
+    ]
     if not segments.needs_reduce:  # this rank holds the whole buffer (as every rank does)
         return [
-            Piece.whole(flat[slot.offset : slot.offset + slot.numel].view(shape))
-            for slot, shape in zip(buffer.params, shapes, strict=True)
+            Piece(flat[slot.offset : slot.offset + slot.numel], shape, 0, region)
+            if region is not None
+            else Piece.whole(flat[slot.offset : slot.offset + slot.numel].view(shape))
+            for slot, shape, region in zip(buffer.params, shapes, regions, strict=True)
         ]
     local = {segment.param_index: segment for segment in segments.pieces}
     pieces = []
-    for index, shape in enumerate(shapes):
+    for index, (shape, region) in enumerate(zip(shapes, regions, strict=True)):
         segment = local.get(index)
         if segment is None:  # none of it here (or an empty parameter, held alike by all)
             pieces.append(
@@ -81,7 +97,7 @@ def flat_pieces(
             )
         else:
             data = flat[segment.shard_offset : segment.shard_offset + segment.numel]
-            pieces.append(Piece(data, shape, segment.param_offset))
+            pieces.append(Piece(data, shape, segment.param_offset, region))
     return pieces
 
 
@@ -102,7 +118,7 @@ class OptimizerSlice:
 
     @property
     def shapes(self) -> list[torch.Size]:
-        return [torch.Size(slot.shape) for slot in self.segments.buffer.params]
+        return entry_shapes(self.segments)
 
 
 def state_placement(
@@ -131,7 +147,7 @@ def slice_entries(part: OptimizerSlice) -> dict[str, dict[str, Entry]]:
     per_fqn: dict[str, dict[str, Entry]] = {fqn: {} for fqn in part.fqns}
     for key, value in part.states.get(part.shard, {}).items():
         if flatten.is_per_element(value, part.shard):
-            pieces = flat_pieces(value.detach(), part.segments, part.shapes)
+            pieces = flat_pieces(value.detach(), part.segments)
             for fqn, piece in zip(part.fqns, pieces, strict=True):
                 per_fqn[fqn][key] = piece
         else:
@@ -170,7 +186,7 @@ class SliceDestination:
                 dtype, _ = state_placement(key, first.dtype, shard, group)
                 self.state[key] = reuse_or_new(current.get(key), shard.shape, dtype, shard.device)
                 for fqn, piece in zip(
-                    part.fqns, flat_pieces(self.state[key], part.segments, part.shapes), strict=True
+                    part.fqns, flat_pieces(self.state[key], part.segments), strict=True
                 ):
                     self.entries.setdefault(fqn, {})[key] = piece
                 continue
@@ -272,15 +288,16 @@ def copy_into(destination: Piece, value: Any) -> None:
     target = destination.data
     if source is not None:
         target.copy_(source.data)
-    elif destination.is_whole:
-        target.copy_(value)
     else:
-        start = destination.offset
-        target.copy_(value.reshape(-1)[start : start + target.numel()])
+        target.copy_(destination.elements_of(value))
 
 
 def _range(piece: Piece) -> str:
-    return f"[{piece.offset}, {piece.offset + piece.data.numel()})"
+    elements = f"[{piece.offset}, {piece.offset + piece.data.numel()})"
+    if piece.region is None:
+        return elements
+    origin, sizes = piece.region
+    return f"{elements} of its block at {list(origin)} of size {list(sizes)}"
 
 
 def _persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -392,9 +409,8 @@ class ShardedHolder(Holder):
 
     def __init__(self, model: ShardedModule, optimizer: torch.optim.Optimizer | None) -> None:
         self.model = self.module = model
-        what = "Checkpoints (gs.checkpoint, torch's get_state_dict)"
-        self.state = sharding_state(model, what, "part 3, issue 54")
-        self.ranks = self.state.ranks
+        self.state = sharding_state(model, "Checkpoints (gs.checkpoint, torch's get_state_dict)")
+        self.ranks = self.state.model_ranks  # under tensor parallelism: dp x tp ranks save
         self.optimizer = optimizer
         if optimizer is not None:
             check_optimizer(model, optimizer)
@@ -407,7 +423,8 @@ class ShardedHolder(Holder):
                     aliases = [
                         f"{m}.{a}" if m else a for m, a in self.state.plan.registrations[slot.fqn]
                     ]
-                    found[slot.fqn] = (torch.Size(slot.shape), storage.layout.dtype, aliases)
+                    shape = whole_dims(self.state.tensor_parallel, slot.fqn, slot.shape)
+                    found[slot.fqn] = (torch.Size(shape), storage.layout.dtype, aliases)
         return found
 
     def frozen(self) -> list[str]:
@@ -423,8 +440,7 @@ class ShardedHolder(Holder):
             for shard in storage.shards:
                 segments = segments_of(shard)
                 assert segments is not None
-                shapes = [torch.Size(slot.shape) for slot in segments.buffer.params]
-                found = flat_pieces(shard.detach(), segments, shapes)
+                found = flat_pieces(shard.detach(), segments)
                 pieces.update(zip(segments.fqns, found, strict=True))
         if not loading:
             return pieces, lambda: None

@@ -56,11 +56,16 @@ class Piece:
     (1-D), or is the whole entry (``offset`` 0, ``data.shape == shape``). It may be empty
     (the rank holds none of the entry). When loading, ``data`` is the destination, filled
     in place (cast to its dtype).
+
+    ``region``: the block of the entry whose row-major elements ``offset`` counts, when
+    that is not the whole entry: a tensor-parallel rank's local piece of a parameter
+    (``TensorParallelism.region``), of which a flat shard holds a range.
     """
 
     data: torch.Tensor
     shape: torch.Size
     offset: int = 0
+    region: Box | None = None
     boxes: tuple[Box, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -69,7 +74,13 @@ class Piece:
         else:
             if self.data.dim() != 1:
                 raise ValueError(f"a piece of an entry of shape {list(self.shape)} is not 1-D")
-            boxes = flat_range_boxes(self.shape, self.offset, self.offset + self.data.numel())
+            origin, sizes = self.region or ((0,) * len(self.shape), tuple(self.shape))
+            boxes = [
+                (tuple(o + at for o, at in zip(offsets, origin, strict=True)), box_sizes)
+                for offsets, box_sizes in flat_range_boxes(
+                    sizes, self.offset, self.offset + self.data.numel()
+                )
+            ]
         object.__setattr__(self, "boxes", tuple(boxes))
 
     @staticmethod
@@ -98,6 +109,17 @@ class Piece:
                 return exact_alias(self.data[start : start + numel].view(sizes))
             start += numel
         raise ValueError(f"no block of this piece starts at {list(offsets)}")
+
+    def elements_of(self, whole: torch.Tensor) -> torch.Tensor:
+        """The piece's elements of ``whole`` (a tensor of the entry's shape), as ``data``
+        holds them."""
+        if self.is_whole:
+            return whole
+        if self.region is not None:
+            origin, sizes = self.region
+            for dim, (start, size) in enumerate(zip(origin, sizes, strict=True)):
+                whole = whole.narrow(dim, start, size)
+        return whole.reshape(-1)[self.offset : self.offset + self.data.numel()]
 
     def write_items(self, name: str) -> list[WriteItem]:
         kind = WriteItemType.TENSOR if self.is_whole else WriteItemType.SHARD

@@ -31,6 +31,7 @@ holds a sharded module inside is refused: pass the sharded module itself.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -145,7 +146,7 @@ def _refuse_submodules(info: Any) -> None:
 
 def _on_cpu(entry: Any) -> Any:
     if isinstance(entry, Piece):
-        return Piece(entry.data.cpu(), entry.shape, entry.offset)
+        return dataclasses.replace(entry, data=entry.data.cpu())
     return entry.cpu() if isinstance(entry, torch.Tensor) else entry
 
 
