@@ -182,14 +182,19 @@ def materialize_unit(
     unit's full parameters take one allocation per dtype and no copy before sharding.
     A meta tensor cannot take real data, so each parameter is replaced by a new
     ``nn.Parameter`` in every module that registers it and in ``params`` (by FQN).
-    Under tensor parallelism the flat buffers hold local pieces; the modules get each
-    DTensor parameter back around its piece, so initialization sees the whole
-    parameter's shape (fan-in and fan-out) and placement.
+    Under tensor parallelism the flat buffers hold local pieces. The modules get each
+    tensor-parallel parameter whole, as the plain model holds it, for the initialization
+    (per-module seeds, as for any unit), and each rank keeps its piece: the values do not
+    depend on the tp size, as they do not on the world size, at the cost of one unit's
+    whole parameters while it is built. (Initializing DTensors in place would draw each
+    piece from the same seeded stream on CPU, where torch has no DTensor RNG: tp peers
+    would start with equal pieces.)
     """
     modules = dict(model.named_modules())
     owned = [fqn for fqn, owner in plan.owner.items() if owner == unit_name]
     flats: dict[torch.dtype, torch.Tensor] = {}
     registered: dict[str, nn.Parameter] = {}  # what the modules hold, by FQN
+    pieces: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # TP: (FQN, piece, whole)
     for layout in layouts[unit_name]:
         flat = torch.zeros(
             sum(b.padded_numel for b in layout.buffers), dtype=layout.dtype, device=device
@@ -206,8 +211,10 @@ def materialize_unit(
                 )
                 params[slot.fqn] = new
                 if tensor_parallel is not None and slot.fqn in tensor_parallel.params:
-                    wrapped = tensor_parallel.params[slot.fqn].wrap(new.detach())
-                    new = nn.Parameter(wrapped, requires_grad=old.requires_grad)
+                    shape = tensor_parallel.params[slot.fqn].shape
+                    whole = torch.empty(shape, dtype=layout.dtype, device=device)
+                    new = nn.Parameter(whole, requires_grad=old.requires_grad)
+                    pieces.append((slot.fqn, params[slot.fqn].detach(), whole))
                 registered[slot.fqn] = new
                 for module_name, attr in plan.registrations[slot.fqn]:
                     modules[module_name]._parameters[attr] = new
@@ -235,4 +242,7 @@ def materialize_unit(
                 reset()
             if param_init_fn is not None:
                 param_init_fn(module)
+    assert tensor_parallel is not None or not pieces
+    for fqn, piece, whole in pieces:
+        piece.copy_(tensor_parallel.piece(fqn, whole))
     return buffers, flats
