@@ -602,6 +602,28 @@ def checkpoint_table(reports: list[Report]) -> Lines:
     return markdown(header, rows)
 
 
+def tensor_parallel_table(reports: list[Report]) -> Lines:
+    """``benchmarks/tensor_parallel.py``: each system on the (dp, tp) mesh, its step time
+    (median over steps of the slowest rank) against FSDP2 + TP's, collectives per step (tp's
+    included), this rank's parameter, gradient and optimizer-state MiB (or the peak CUDA
+    MiB allocated) and the final weights' largest difference from FSDP2 + TP's."""
+    report = one(reports, "tensor-parallel")
+    if report.get("kind") != "tensor-parallel":
+        raise TableError("expects results of benchmarks/tensor_parallel.py")
+    cuda = report["device"] == "cuda"
+    header = ["system", "ms/step", "/ FSDP2 + TP", "collectives/step",
+              "peak CUDA MiB/rank" if cuda else "params + grads + state MiB/rank",
+              "max diff vs FSDP2 + TP"]  # fmt: skip
+    rows = [
+        [name, f"{row['ms_per_step']:.0f}", f"{row['vs_fsdp2_tp']:.2f}",
+         str(row["collectives_per_step"]),
+         f"{row['peak_cuda_mb'] if cuda else row['state_mb_per_rank']:.1f}",
+         f"{row['max_diff_vs_fsdp2']:.1e}"]
+        for name, row in report["rows"].items()
+    ]  # fmt: skip
+    return markdown(header, rows)
+
+
 def trainer_table(reports: list[Report]) -> Lines:
     """``benchmarks/trainer.py``: Hugging Face's Trainer per system, with and without LoRA
     (step wall seconds, the slowest rank's median, median over rounds; CPU seconds per
@@ -662,6 +684,7 @@ def scale_table(reports: list[Report]) -> Lines:
 
 KINDS: dict[str, Callable[[list[Report]], Lines]] = {
     "trainer": trainer_table,
+    "tensor-parallel": tensor_parallel_table,
     "scale": scale_table,
     "regroup": regroup_table,
     "checkpoint": checkpoint_table,

@@ -233,6 +233,9 @@ def test_bad_inputs_give_one_line_errors(tmp_path, uninterrupted, capsys):
         "already holds a run; pass --resume": ["--out", run],
         "--steps must be at least 1": ["--steps", "0"],
         "--timeout must be a positive number of seconds, got 0.0": ["--timeout", "0"],
+        "--tp 3 must divide the world size (2 processes)": ["--tp", "3"],
+        "--tp 3 must divide --model tiny's 4 heads": ["--tp", "3", "--nproc", "3"],
+        "--tp 2 does not work with --zero": ["--tp", "2", "--zero"],
     }
     for expected, args in cases.items():
         options = args if "--model" in args else [*TINY, *args]
@@ -590,6 +593,31 @@ def test_stop_signals_save_say_where_and_resume_ends_as_the_uninterrupted_run(
     assert _timeless(_rows(out)) == _timeless(_rows(uninterrupted)[:saved])
     groupshard("train", *TINY, *STEPS, "--out", out, "--resume")
     _assert_same_run(out, uninterrupted, tmp_path)
+
+
+def test_tensor_parallel_resumes_across_the_split_and_trains_as_tp_1(tmp_path, uninterrupted):
+    """A run on 2 processes stopped (SIGTERM) and resumed with --tp 2 on 4 (dp 2 x tp 2: the
+    same global batch): its checkpoint crosses the split, the TP run trains, samples and
+    saves as the uninterrupted run to float precision (TP reorders sums), rows and weights."""
+    out = str(tmp_path / "run")
+    process = _start("train", *TINY, *STEPS, "--out", out)
+    _wait_for_rows(process, out, 10)
+    os.killpg(process.pid, signal.SIGTERM)
+    _, stderr = process.communicate(timeout=TIMEOUT)
+    assert process.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    saved = len(_rows(out))
+    groupshard("train", *TINY, *STEPS, "--out", out, "--resume", "--nproc", "4", "--tp", "2")
+    rows, whole = _rows(out), _rows(uninterrupted)
+    assert [row["step"] for row in rows] == list(range(1, 61))
+    assert _timeless(rows[:saved]) == _timeless(whole[:saved])  # before the stop: itself
+    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(rows, whole, strict=True)) < 1e-4
+    weights = _model_tensors(os.path.join(out, "checkpoint"), str(tmp_path / "tp.pt"))
+    reference = _model_tensors(os.path.join(uninterrupted, "checkpoint"), str(tmp_path / "1.pt"))
+    assert weights.keys() == reference.keys()
+    assert max((weights[n] - reference[n]).abs().max().item() for n in weights) < 1e-4
+    with open(os.path.join(out, "summary.json")) as handle:
+        summary = json.load(handle)
+    assert summary["sample"]["new_bytes"] > 0, summary
 
 
 def test_stop_requests_take_a_repeat_within_a_second_as_the_same_one(monkeypatch):

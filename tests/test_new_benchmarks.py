@@ -1,7 +1,8 @@
 """Smoke tests of benchmarks/hybrid.py (bytes within and across replicas, against the
-formulas), benchmarks/whole_param.py (WholeParamOptimizer beside DDP) and
-benchmarks/regroup_memory.py (gs.regroup's peak memory): they run, and their results hold
-what the README's tables say of them."""
+formulas), benchmarks/whole_param.py (WholeParamOptimizer beside DDP),
+benchmarks/regroup_memory.py (gs.regroup's peak memory) and benchmarks/tensor_parallel.py
+(groupshard + TP beside FSDP2 + TP): they run, and their results hold what the README's
+tables say of them."""
 
 from __future__ import annotations
 
@@ -67,3 +68,21 @@ def test_regroup_memory_benchmark_runs(tmp_path):
         for call in entry["calls"].values():
             assert call["seconds"] > 0 and call["peak_above_before"] >= 0, call
         assert entry["unit_params_bytes"] and entry["optimizer_state_bytes"] > 0, entry
+
+
+def test_tensor_parallel_benchmark_runs_and_equals_fsdp2_with_tp(tmp_path):
+    """At a toy width: every system steps on the 2 x 2 mesh, its collectives are profiled,
+    it holds no more than FSDP2 + TP and its weights are FSDP2 + TP's to float precision."""
+    output = tmp_path / "tp.json"
+    _run("tensor_parallel.py", "--dim", "128", "--hidden", "256", "--vocab", "256",
+         "--seq", "16", "--layers", "1", "--rounds", "1", "--steps", "1",
+         "--out", str(output))  # fmt: skip
+    report = json.loads(output.read_text())
+    rows = report["rows"]
+    assert report["kind"] == "tensor-parallel"
+    assert list(rows) == ["FSDP2 + TP", "groupshard full + TP", "groupshard grad_op + TP"]
+    for name, row in rows.items():
+        assert row["ms_per_step"] > 0 and row["collectives_per_step"] > 0, (name, row)
+        assert row["max_diff_vs_fsdp2"] < 1e-5, (name, row)
+    fsdp2 = rows["FSDP2 + TP"]["state_mb_per_rank"]
+    assert rows["groupshard full + TP"]["state_mb_per_rank"] <= 1.1 * fsdp2, rows

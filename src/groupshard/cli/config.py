@@ -46,6 +46,7 @@ class TrainConfig:
     init: str = "meta"  # "meta": built on the meta device, initialized by gs.shard; "full"
     loss_scale: float = 2.0**16  # fp16: the scaler's initial scale (a checkpoint's on resume)
     replicate: int = 1  # > 1: hybrid sharding, this many replicas of world / replicate shards
+    tp: int = 1  # > 1: tensor parallelism over this many ranks, sharded over world / tp
     freeze_embeddings_until: int = 0  # embeddings frozen before this step, then a group (0: off)
     start_from: str | None = None  # --from: a checkpoint folder (any writer) to start from
 

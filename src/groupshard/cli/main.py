@@ -145,6 +145,13 @@ def _parser() -> argparse.ArgumentParser:
         "(a 2-D mesh; docs/hybrid-sharding.md)",
     )  # fmt: skip
     train.add_argument(
+        "--tp", type=int, default=1, metavar="N",
+        help="tensor parallelism: each block's matrices split over N ranks by torchtitan's plan "
+        "(attention by heads, the MLP, the tied embedding by vocabulary rows), the model "
+        "sharded over the other world size / N ranks; the global batch is --batch-size x "
+        "--grad-accum x world size / N (docs/tensor-parallel.md)",
+    )  # fmt: skip
+    train.add_argument(
         "--hsdp", action="store_true",
         help="under torchrun on several nodes: shard within each node (LOCAL_WORLD_SIZE "
         "ranks), replicate across the nodes",
@@ -225,12 +232,25 @@ def _check_hybrid(args: argparse.Namespace) -> None:
         raise CommandError(
             f"--replicate {args.replicate} must divide the world size ({world} processes)"
         )
+    if args.tp == 1:
+        return
+    if world % args.tp:
+        raise CommandError(f"--tp {args.tp} must divide the world size ({world} processes)")
+    refused = [
+        (args.zero, "--zero (DDP + the ZeRO-1 optimizer)"),
+        (args.replicate > 1 or args.hsdp, "--replicate and --hsdp (a 3-D mesh)"),
+        (args.freeze_embeddings_until, "--freeze-embeddings-until (gs.regroup)"),
+        (args.optimizer == "adafactor", "--optimizer adafactor (its state is not shared over tp)"),
+    ]
+    for given, what in refused:
+        if given:
+            raise CommandError(f"--tp {args.tp} does not work with {what} yet; drop one of them")
 
 
 def _check(args: argparse.Namespace) -> TrainConfig:
     """Validate everything that can be checked before starting workers: first the numbers,
     before torch is imported."""
-    for name in ("steps", "batch_size", "grad_accum", "nproc", "replicate"):
+    for name in ("steps", "batch_size", "grad_accum", "nproc", "replicate", "tp"):
         if getattr(args, name) < 1:
             raise CommandError(
                 f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}"
@@ -297,6 +317,12 @@ def _check(args: argparse.Namespace) -> TrainConfig:
     except ValueError as error:
         raise CommandError(str(error)) from None
     block = PRESETS[args.model].block_size
+    preset = PRESETS[args.model]
+    if preset.n_head % args.tp or preset.vocab_size % args.tp:
+        raise CommandError(
+            f"--tp {args.tp} must divide --model {args.model}'s {preset.n_head} heads and its "
+            f"vocabulary of {preset.vocab_size}"
+        )
     if sum(f.stat().st_size for f in files) < 20 * (block + 1):
         raise CommandError(f"--data is too small for --model {args.model} (block size {block})")
     out = args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
@@ -313,7 +339,7 @@ def _check(args: argparse.Namespace) -> TrainConfig:
         ckpt_every=args.ckpt_every, eval_every=args.eval_every, clip=args.clip,
         timeout=args.timeout, precision=args.precision, grad_accum=args.grad_accum,
         init=args.init or ("full" if args.zero else "meta"),
-        replicate=_replicas(args),
+        replicate=_replicas(args), tp=args.tp,
         loss_scale=DEFAULT_LOSS_SCALE if args.loss_scale is None else args.loss_scale,
         freeze_embeddings_until=args.freeze_embeddings_until, start_from=args.start_from,
     )  # fmt: skip

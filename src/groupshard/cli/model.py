@@ -8,6 +8,7 @@ key bias gets no gradient (softmax ignores it) and would train on rounding noise
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,18 +25,23 @@ class GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head attention with one fused projection whose outputs go head by head (the
+    query, key and value of head 0, then of head 1...: Megatron-LM's layout), so tensor
+    parallelism splits it by rows into whole heads."""
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.n_head = config.n_head
+        self.head_dim = config.n_embd // config.n_head
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)
         self.proj = nn.Linear(config.n_embd, config.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, time, channels = x.shape
-        q, k, v = self.qkv(x).split(channels, dim=2)
-        q, k, v = (t.view(batch, time, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
+        batch, time, _ = x.shape
+        # -1: the heads this rank computes (all of them, or its share under tensor parallelism)
+        qkv = self.qkv(x).view(batch, time, -1, 3, self.head_dim)
+        q, k, v = qkv.permute(3, 0, 2, 1, 4)  # each (batch, heads, time, head_dim)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(batch, time, channels))
+        return self.proj(y.transpose(1, 2).reshape(batch, time, -1))
 
 
 class Block(nn.Module):
@@ -107,3 +113,29 @@ class GPT(nn.Module):
             following = torch.multinomial(probs, 1, generator=generator)
             tokens = torch.cat([tokens, following], dim=1)
         return tokens
+
+
+def parallelize_gpt(model: GPT, tp_mesh: Any) -> GPT:
+    """torchtitan's tensor-parallel plan for the GPT on the 1-D mesh ``tp_mesh``: attention
+    by heads (the fused projection column-wise, by rows of whole heads; the output row-wise),
+    the MLP column-wise then row-wise, the tied embedding and output layer by vocabulary rows
+    (row-wise embedding, column-wise output gathered to whole logits). Norms and the
+    position embedding are replicated. Every tp rank must see the same tokens."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    for block in model.blocks:
+        parallelize_module(block, tp_mesh, {
+            "attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
+            "fc": ColwiseParallel(), "out": RowwiseParallel(),
+        })  # fmt: skip
+    parallelize_module(model, tp_mesh, {
+        "wte": RowwiseParallel(input_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+    })  # fmt: skip
+    model.lm_head.weight = model.wte.weight  # tied again: both are split by vocabulary rows
+    return model

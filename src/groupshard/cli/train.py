@@ -32,7 +32,7 @@ from groupshard.cli.config import (
     ZERO_CHECKPOINT,
     TrainConfig,
 )
-from groupshard.cli.model import GPT, Block
+from groupshard.cli.model import GPT, Block, parallelize_gpt
 from groupshard.mesh import MESH_DIM_NAMES
 
 # --precision: the dtype units gather and compute in (gradients reduce in fp32 either way)
@@ -125,6 +125,14 @@ def hybrid_mesh(replicas: int, device: torch.device) -> DeviceMesh | None:
     return init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIM_NAMES)
 
 
+def tensor_parallel_mesh(tp: int, device: torch.device) -> DeviceMesh | None:
+    """The ``("dp", "tp")`` mesh of ``tp`` columns over the world (torchtitan's); None for 1."""
+    if tp == 1:
+        return None
+    shape = (dist.get_world_size() // tp, tp)
+    return init_device_mesh(device.type, shape, mesh_dim_names=("dp", "tp"))
+
+
 EMBEDDINGS = ("wte.weight", "wpe.weight")  # wte's is lm_head's too (tied)
 
 
@@ -148,6 +156,11 @@ class Run:
             model = GPT(self.model_config).to(device)
             materialize = {}
         self.total_params = sum(p.numel() for p in model.parameters())
+        mesh = tensor_parallel_mesh(config.tp, device)
+        # the rank's share of the data: its data-parallel rank (tp peers see the same tokens)
+        self.data_rank = ranks.rank if mesh is None else mesh["dp"].get_local_rank()
+        if mesh is not None:
+            model = parallelize_gpt(model, mesh["tp"])
         self.embeddings_frozen = config.freeze_embeddings_until > start
         for name in EMBEDDINGS:
             model.get_parameter(name).requires_grad_(not self.embeddings_frozen)
@@ -182,7 +195,7 @@ class Run:
                 unit=Block,
                 strategy=config.strategy,
                 mixed_precision=precision,
-                mesh=hybrid_mesh(config.replicate, device),
+                mesh=hybrid_mesh(config.replicate, device) if mesh is None else mesh["dp"],
                 **materialize,
             )
             self.optimizer = optimizer_class(self.model.optimizer_groups(), **kwargs)
@@ -254,7 +267,7 @@ class Run:
         validation batches are negative)."""
         block = self.model_config.block_size
         return corpus.batch(
-            data, block, self.config.batch_size, self.config.seed, index, self.ranks.rank
+            data, block, self.config.batch_size, self.config.seed, index, self.data_rank
         )
 
     def no_sync(self, micro_batch: int) -> contextlib.AbstractContextManager[Any]:
@@ -634,6 +647,9 @@ def sample(run: Run, new_bytes: int = SAMPLE_BYTES) -> dict[str, Any] | None:
     text and both lengths (rank 0; None on the others, which only help gather parameters)."""
     if run.sharded is None:
         return _generate(run, run.model.module, new_bytes) if run.ranks.rank == 0 else None
+    if run.config.tp > 1:  # every rank takes part in each forward, and samples alike
+        generated = _generate(run, run.sharded, new_bytes)
+        return generated if run.ranks.rank == 0 else None
     with run.sharded.summon_full_params():  # forward runs locally inside: no collectives
         return _generate(run, run.sharded, new_bytes) if run.ranks.rank == 0 else None
 
