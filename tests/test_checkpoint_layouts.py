@@ -9,12 +9,10 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from unittest import mock
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -24,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 import groupshard as gs
 from groupshard.checkpoint import CheckpointError
-from groupshard.cli.model import CausalSelfAttention, GPTConfig
+from groupshard.cli.model import GPTConfig
 from test_checkpoint import (
     RESUME_AT,
     batches,
@@ -107,24 +105,6 @@ def test_the_first_layout_is_refused_with_the_command_that_converts_it(run_ranks
         gs.checkpoint.load(folder, *sharded(0, 1))
 
 
-def _blocked_attention(self, x):
-    """The demo model's attention when the first layout's folder was written: its fused
-    projection gave all queries, then all keys, then all values (it now gives each head's
-    query, key and value together, so tensor parallelism splits it into whole heads)."""
-    batch, time, channels = x.shape
-    q, k, v = self.qkv(x).split(channels, dim=2)
-    q, k, v = (t.view(batch, time, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return self.proj(y.transpose(1, 2).reshape(batch, time, channels))
-
-
-def first_layout_resume_case(*args):
-    """``resume_case`` with the attention of the model that wrote the folder, for the
-    resumed run and its one-process reference alike."""
-    with mock.patch.object(CausalSelfAttention, "forward", _blocked_attention):
-        return resume_case(*args)
-
-
 def test_the_first_layout_converts_and_resumes_at_another_world_size(run_ranks, tmp_path):
     """A folder written by groupshard's first layout (world 2, 5 steps with LambdaLR, extras),
     converted offline, resumes at world 3 like one uninterrupted process."""
@@ -137,8 +117,7 @@ def test_the_first_layout_converts_and_resumes_at_another_world_size(run_ranks, 
     names = dcp.FileSystemReader(str(converted)).read_metadata().state_dict_metadata
     assert names["model.blocks.0.fc.weight"].size == torch.Size([64, 16])  # its own shape
     assert names["optim.state.blocks.0.fc.weight.exp_avg"].size == torch.Size([64, 16])
-    resumed = run_ranks(3, first_layout_resume_case, str(converted), "blocks", "full")
-    for difference, lrs, step, seed in resumed:
+    for difference, lrs, step, seed in run_ranks(3, resume_case, str(converted), "blocks", "full"):
         assert difference <= TOLERANCE
         assert step == RESUME_AT and seed == [0, 1, 2]
         assert lrs == [0.0005, 0.0005, 0.0016666666666666666]

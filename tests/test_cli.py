@@ -234,7 +234,7 @@ def test_bad_inputs_give_one_line_errors(tmp_path, uninterrupted, capsys):
         "--steps must be at least 1": ["--steps", "0"],
         "--timeout must be a positive number of seconds, got 0.0": ["--timeout", "0"],
         "--tp 3 must divide the world size (2 processes)": ["--tp", "3"],
-        "--tp 3 must divide --model tiny's 4 heads": ["--tp", "3", "--nproc", "3"],
+        "--tp 3 must divide --model tiny's MLP width (256)": ["--tp", "3", "--nproc", "3"],
         "--tp 2 does not work with --zero": ["--tp", "2", "--zero"],
     }
     for expected, args in cases.items():

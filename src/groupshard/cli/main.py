@@ -146,10 +146,10 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     train.add_argument(
         "--tp", type=int, default=1, metavar="N",
-        help="tensor parallelism: each block's matrices split over N ranks by torchtitan's plan "
-        "(attention by heads, the MLP, the tied embedding by vocabulary rows), the model "
-        "sharded over the other world size / N ranks; the global batch is --batch-size x "
-        "--grad-accum x world size / N (docs/tensor-parallel.md)",
+        help="tensor parallelism: each block's MLP and the tied embedding split over N ranks "
+        "as torchtitan splits them (attention replicated: its fused projection is not laid "
+        "out by heads), the model sharded over the other world size / N ranks; the global "
+        "batch is --batch-size x --grad-accum x world size / N (docs/tensor-parallel.md)",
     )  # fmt: skip
     train.add_argument(
         "--hsdp", action="store_true",
@@ -318,10 +318,10 @@ def _check(args: argparse.Namespace) -> TrainConfig:
         raise CommandError(str(error)) from None
     block = PRESETS[args.model].block_size
     preset = PRESETS[args.model]
-    if preset.n_head % args.tp or preset.vocab_size % args.tp:
+    if (4 * preset.n_embd) % args.tp or preset.vocab_size % args.tp:
         raise CommandError(
-            f"--tp {args.tp} must divide --model {args.model}'s {preset.n_head} heads and its "
-            f"vocabulary of {preset.vocab_size}"
+            f"--tp {args.tp} must divide --model {args.model}'s MLP width ({4 * preset.n_embd}) "
+            f"and its vocabulary ({preset.vocab_size})"
         )
     if sum(f.stat().st_size for f in files) < 20 * (block + 1):
         raise CommandError(f"--data is too small for --model {args.model} (block size {block})")

@@ -25,23 +25,18 @@ class GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head attention with one fused projection whose outputs go head by head (the
-    query, key and value of head 0, then of head 1...: Megatron-LM's layout), so tensor
-    parallelism splits it by rows into whole heads."""
-
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.head_dim = config.n_embd // config.n_head
+        self.n_head = config.n_head
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)
         self.proj = nn.Linear(config.n_embd, config.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, time, _ = x.shape
-        # -1: the heads this rank computes (all of them, or its share under tensor parallelism)
-        qkv = self.qkv(x).view(batch, time, -1, 3, self.head_dim)
-        q, k, v = qkv.permute(3, 0, 2, 1, 4)  # each (batch, heads, time, head_dim)
+        batch, time, channels = x.shape
+        q, k, v = self.qkv(x).split(channels, dim=2)
+        q, k, v = (t.view(batch, time, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(batch, time, -1))
+        return self.proj(y.transpose(1, 2).reshape(batch, time, channels))
 
 
 class Block(nn.Module):
@@ -116,11 +111,14 @@ class GPT(nn.Module):
 
 
 def parallelize_gpt(model: GPT, tp_mesh: Any) -> GPT:
-    """torchtitan's tensor-parallel plan for the GPT on the 1-D mesh ``tp_mesh``: attention
-    by heads (the fused projection column-wise, by rows of whole heads; the output row-wise),
-    the MLP column-wise then row-wise, the tied embedding and output layer by vocabulary rows
-    (row-wise embedding, column-wise output gathered to whole logits). Norms and the
-    position embedding are replicated. Every tp rank must see the same tokens."""
+    """torchtitan's tensor-parallel plan for what of the GPT it fits, on the 1-D mesh
+    ``tp_mesh``: the MLP column-wise then row-wise, the tied embedding and output layer by
+    vocabulary rows (row-wise embedding, column-wise output gathered to whole logits).
+    Attention stays replicated on the tp ranks: its fused projection's outputs are all
+    queries, then all keys, then all values, so no split by rows gives a rank whole heads
+    (Megatron-LM orders them head by head for that; this model keeps the layout of its
+    checkpoints). Norms and the position embedding are replicated too. Every tp rank must
+    see the same tokens."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -129,10 +127,7 @@ def parallelize_gpt(model: GPT, tp_mesh: Any) -> GPT:
     )
 
     for block in model.blocks:
-        parallelize_module(block, tp_mesh, {
-            "attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
-            "fc": ColwiseParallel(), "out": RowwiseParallel(),
-        })  # fmt: skip
+        parallelize_module(block, tp_mesh, {"fc": ColwiseParallel(), "out": RowwiseParallel()})
     parallelize_module(model, tp_mesh, {
         "wte": RowwiseParallel(input_layouts=Replicate()),
         "lm_head": ColwiseParallel(output_layouts=Replicate()),
