@@ -236,6 +236,7 @@ def test_bad_inputs_give_one_line_errors(tmp_path, uninterrupted, capsys):
         "--tp 3 must divide the world size (2 processes)": ["--tp", "3"],
         "--tp 3 must divide --model tiny's MLP width (256)": ["--tp", "3", "--nproc", "3"],
         "--tp 2 does not work with --zero": ["--tp", "2", "--zero"],
+        "--async-checkpoint needs groupshard's sharding": ["--async-checkpoint", "--zero"],
     }
     for expected, args in cases.items():
         options = args if "--model" in args else [*TINY, *args]
@@ -372,7 +373,7 @@ def test_help_shows_every_default():
     assert set(MODEL_SIZES) == set(PRESETS)  # the parser's choices, named without torch
     text = groupshard("train", "--help").stdout
     options = re.split(r"\n  (?=--)", text.split("options:", 1)[1])[1:]
-    without = {"--help", "--zero", "--hsdp", "--resume", "--out"}  # flags; --out's is a time
+    without = {"--help", "--zero", "--hsdp", "--resume", "--async-checkpoint", "--out"}  # flags
     assert {option.split()[0] for option in options} >= {"--steps", "--lr", "--timeout"}
     for option in options:
         if option.split()[0] not in without:
@@ -568,12 +569,15 @@ def test_stop_signals_save_say_where_and_resume_ends_as_the_uninterrupted_run(
     and Kubernetes alike): each is one request to stop, so the run saves within seconds
     (torch's launcher waited 30 s), says where in one line and exits 130 / 143 (the second
     signal used to kill the workers unsaved); --resume then ends as the uninterrupted run,
-    its rows and weights bit for bit."""
+    its rows and weights bit for bit. The stopped runs write a checkpoint every 2 steps in
+    the background (--async-checkpoint), so a stop finds a write in flight: it completes,
+    then the stop's own checkpoint is written."""
     out = str(tmp_path / "run")
     stops = ((signal.SIGINT, [], False), (signal.SIGTERM, ["--resume"], True))
+    in_background = ["--async-checkpoint", "--ckpt-every", "2"]
     for signum, resume, repeated in stops:
         before = len(_rows(out)) if resume else 0
-        process = _start("train", *TINY, *STEPS, "--out", out, *resume)
+        process = _start("train", *TINY, *STEPS, "--out", out, *resume, *in_background)
         _wait_for_rows(process, out, before + 3)
         os.killpg(process.pid, signum)
         if repeated:

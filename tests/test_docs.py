@@ -14,6 +14,8 @@ from helpers import DOCS, free_ports, guide_script, run_under_torchrun
 SCRIPTS = {
     ("checkpoints.md", 0): r"loss after 9 steps: FSDP2 -> groupshard -> FSDP2 ([\d.]+), "
     r"FSDP2 alone ([\d.]+)",
+    ("checkpoints.md", 1): r"saved at step 5 while 5 more steps ran; loaded equals the state "
+    r"at the call: True",
     ("integrations.md", 0): r"trained 10 steps, loss ([\d.]+); from_pretrained: (\d+) parameters",
     ("integrations.md", 1): r"LoRA weights (\d+), optimizer elements on this rank (\d+)",
     ("integrations.md", 2): r"32 micro-batches per rank, last loss ([\d.]+)",
@@ -143,7 +145,7 @@ def test_the_other_guides_scripts_run_as_written_in_one_launch(tmp_path, monkeyp
     keys = sorted(k for k in SCRIPTS if not _own_launch(k))
     folders = []
     for guide, index in keys:
-        folder = tmp_path / guide.removesuffix(".md")
+        folder = tmp_path / f"{guide.removesuffix('.md')}-{index}"
         folder.mkdir()
         (folder / "script.py").write_text(guide_script(guide, index))
         folders.append(str(folder))

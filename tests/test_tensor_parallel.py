@@ -199,10 +199,6 @@ def bad_input_case(rank: int, world_size: int) -> dict[str, str]:
         "process group": lambda: gs.shard(_tp_sequential(tp), process_group=dp.get_group()),
         "tp as dp": lambda: gs.shard(_tp_sequential(tp), mesh=tp),
         "parallelized after": parallelized_after_sharding,
-        "whole-param state": lambda: gs.optim_state_dict(
-            model := sharded(),
-            gs.optim.WholeParamOptimizer(model.optimizer_groups(), torch.optim.Adafactor),
-        ),
         "regroup": lambda: gs.regroup(sharded(), None, []),
     }
     return {name: _error_of(build) for name, build in cases.items()}
@@ -223,8 +219,6 @@ EXPECTED_ERRORS = {
     "ranks [{tp}] (tp): the data-parallel and tensor-parallel dimensions must be the two",
     "parallelized after": "ValueError: Module 'tok_embeddings' was parallelized "
     "(parallelize_module or distribute_module) after gs.shard",
-    "whole-param state": "ValueError: The state of gs.optim.WholeParamOptimizer with tensor "
-    "parallelism (DTensor parameters from parallelize_module) is not built yet",
     "regroup": "ValueError: gs.regroup with tensor parallelism",
 }
 

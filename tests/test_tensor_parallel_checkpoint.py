@@ -304,3 +304,44 @@ def test_meta_construction_allocates_slices_and_loads_safetensors_slices(run_ran
         assert result["read"] <= total / 4 * 1.1, (rank, result)
         assert result["initialized as without TP"] == 0.0, (rank, result)
         assert result["difference from the file"] == 0.0, (rank, result)
+
+
+def _adafactor(mesh, seed: int):
+    """The TP'd Llama sharded over dp with torch's Adafactor on whole parameters."""
+    torch.manual_seed(seed)
+    model = parallelize_llama(Llama(LlamaConfig()), mesh["tp"], sequence_parallel=True)
+    model = gs.shard(model, gs.decay_groups(model, 0.1), unit=Block, mesh=mesh["dp"])
+    optimizer = gs.optim.WholeParamOptimizer(
+        model.optimizer_groups(), torch.optim.Adafactor, lr=1e-2
+    )
+    return model, optimizer
+
+
+def whole_param_case(rank: int, world_size: int, folder: str) -> dict[str, float]:
+    """gs.optim.WholeParamOptimizer (Adafactor's factored moments of whole matrices) under
+    TP: saved by gs.checkpoint, or as whole state dicts, and loaded into a model seeded
+    otherwise, training on equals the run that never stopped."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model, optimizer = _adafactor(mesh, seed=0)
+    _train("gs-tp", model, optimizer, mesh, range(SAVE_AT))
+    gs.checkpoint.save(f"{folder}/adafactor", model, optimizer)
+    model_state = gs.full_state_dict(model)
+    optim_state = gs.optim_state_dict(model, optimizer)
+    _train("gs-tp", model, optimizer, mesh, range(SAVE_AT, STEPS))
+    uninterrupted = gs.full_state_dict(model)
+    result = {}
+    for how in ("gs.checkpoint", "state dicts"):
+        resumed, resumed_optimizer = _adafactor(mesh, seed=7)
+        if how == "gs.checkpoint":
+            gs.checkpoint.load(f"{folder}/adafactor", resumed, resumed_optimizer)
+        else:
+            resumed.load_state_dict(model_state)
+            gs.load_optim_state_dict(resumed, resumed_optimizer, optim_state)
+        _train("gs-tp", resumed, resumed_optimizer, mesh, range(SAVE_AT, STEPS))
+        result[how] = _difference(gs.full_state_dict(resumed), uninterrupted)
+    return result
+
+
+def test_whole_param_optimizer_state_under_tp_saves_and_resumes_exactly(run_ranks, tmp_path):
+    for rank, result in enumerate(run_ranks(4, whole_param_case, str(tmp_path))):
+        assert result == {"gs.checkpoint": 0.0, "state dicts": 0.0}, (rank, result)

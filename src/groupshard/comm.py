@@ -193,6 +193,25 @@ def resolve_ranks(process_group: Any = None) -> Ranks:
     )
 
 
+_writer_groups: dict[tuple[int, ...], Ranks] = {}
+
+
+def writer_group(ranks: Ranks) -> Ranks:
+    """A gloo group of the same processes as ``ranks``, for a background thread's
+    collectives (an asynchronous checkpoint's write), which must not interleave with the
+    training's on ``ranks``. Made when first asked for (only these processes take part),
+    then reused while it lives; held weakly, as every group here."""
+    if ranks.is_local:
+        return ranks
+    members = tuple(dist.get_process_group_ranks(ranks.group))
+    found = _writer_groups.get(members)
+    if found is not None and found.group_ref is not None and found.group_ref() is not None:
+        return found
+    group = dist.new_group(list(members), backend="gloo", use_local_synchronization=True)
+    _writer_groups[members] = resolve_ranks(group)
+    return _writer_groups[members]
+
+
 def all_gather(
     output: torch.Tensor,
     shard: torch.Tensor,

@@ -16,6 +16,7 @@ import torch
 
 from groupshard import comm
 from groupshard.layout import FlatBufferLayout
+from groupshard.tensor_parallel import TensorParallelism
 
 SCALAR_STATE = ("step", "mu_product")
 """State keys of torch optimizers holding one value per parameter, not one per element."""
@@ -76,8 +77,11 @@ def gather_shard_state(
     buffer: FlatBufferLayout,
     ranks: comm.Ranks,
     replicated: bool,
+    tensor_parallel: TensorParallelism | None = None,
 ) -> list[dict[str, Any]]:
-    """One shard's optimizer state as per-parameter dicts (original shapes); collective."""
+    """One shard's optimizer state as per-parameter dicts (original shapes); collective.
+    Under tensor parallelism the buffer holds local pieces: their state is made whole over
+    tp too."""
     per_param: list[dict[str, Any]] = [{} for _ in buffer.params]
     for key, value in sorted(state.items()):
         if is_per_element(value, shard):
@@ -87,6 +91,11 @@ def gather_shard_state(
         else:
             for entry in per_param:
                 entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
+    if tensor_parallel is not None:
+        per_param = [
+            tensor_parallel.whole_state(slot.fqn, slot.shape, entry)
+            for slot, entry in zip(buffer.params, per_param, strict=True)
+        ]
     return per_param
 
 
@@ -122,13 +131,23 @@ def check_one_scalar(key: str, values: list[Any], buffer: FlatBufferLayout) -> N
 
 
 def shard_state_from(
-    entries: list[dict[str, Any]], shard: torch.Tensor, buffer: FlatBufferLayout, shard_rank: int
+    entries: list[dict[str, Any]],
+    shard: torch.Tensor,
+    buffer: FlatBufferLayout,
+    shard_rank: int,
+    tensor_parallel: TensorParallelism | None = None,
 ) -> dict[str, Any]:
-    """A shard's optimizer state from per-parameter dicts.
+    """A shard's optimizer state from per-parameter dicts (of whole parameters: under
+    tensor parallelism each rank takes its pieces).
 
     A scalar state value (``step``) must be the same for every parameter of the buffer:
     a ValueError names the parameters otherwise (the same on every rank).
     """
+    if tensor_parallel is not None:
+        entries = [
+            tensor_parallel.local_state(slot.fqn, entry)
+            for slot, entry in zip(buffer.params, entries, strict=True)
+        ]
     shapes = [torch.Size(slot.shape) for slot in buffer.params]
     state: dict[str, Any] = {}
     for key, first in entries[0].items():

@@ -20,11 +20,7 @@ from groupshard.flatten import plain_optimizer_state
 from groupshard.safetensors_io import load_safetensors
 from groupshard.segments import segments_of
 from groupshard.sharding import ShardingState, originals_installed, sharding_state
-from groupshard.tensor_parallel import (
-    TensorParallelism,
-    refuse_under_tensor_parallelism,
-    whole_dims,
-)
+from groupshard.tensor_parallel import TensorParallelism, whole_dims
 from groupshard.writes import note_parameters_written
 
 
@@ -225,11 +221,6 @@ def _load_from_rank0(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -
 
 def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> ShardingState:
     state = sharding_state(model, "optimizer state dicts")
-    whole_params = hasattr(optimizer, "fqn_state")  # gs.optim.WholeParamOptimizer
-    if state.tensor_parallel is not None and whole_params:
-        refuse_under_tensor_parallelism(
-            "The state of gs.optim.WholeParamOptimizer", "a later part of issue 53"
-        )
     groups = state.groups.groups
     if len(optimizer.param_groups) != len(groups):
         raise ValueError(
@@ -266,13 +257,8 @@ def optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
             assert segments is not None
             entries = flatten.gather_shard_state(
                 optimizer.state.get(shard, {}), shard, segments.buffer, segments.ranks,
-                segments.replicated,
+                segments.replicated, segments.tensor_parallel,
             )  # fmt: skip
-            if state.tensor_parallel is not None:  # the local pieces' state: made whole
-                entries = [
-                    state.tensor_parallel.whole_state(slot.fqn, slot.shape, entry)
-                    for slot, entry in zip(segments.buffer.params, entries, strict=True)
-                ]
             per_fqn.update(zip(segments.fqns, entries, strict=True))
     groups = [
         (resolved.listed, {k: v for k, v in group.items() if k != "params"})
@@ -325,11 +311,6 @@ def load_optim_state_dict(
             segments = segments_of(shard)
             assert segments is not None
             entries = [state_dict["state"].get(index_of[fqn]) for fqn in segments.fqns]
-            if state.tensor_parallel is not None:  # whole parameters' state: this rank's pieces
-                entries = [
-                    None if entry is None else state.tensor_parallel.local_state(fqn, entry)
-                    for fqn, entry in zip(segments.fqns, entries, strict=True)
-                ]
             optimizer.state.pop(shard, None)
             if all(entry is None for entry in entries):
                 continue
@@ -340,7 +321,7 @@ def load_optim_state_dict(
                     f"other parameters of param group {resolved.index}; expects all or none"
                 )
             optimizer.state[shard] = flatten.shard_state_from(
-                entries, shard, segments.buffer, segments.shard_rank
+                entries, shard, segments.buffer, segments.shard_rank, segments.tensor_parallel
             )
     if load_whole is not None:
         load_whole(whole_entries)

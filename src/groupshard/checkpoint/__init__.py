@@ -34,6 +34,7 @@ the first layout converted), ``reader`` (safe reading), ``folders`` (atomic fold
 
 from __future__ import annotations
 
+from groupshard.checkpoint.background import AsyncSave, async_save
 from groupshard.checkpoint.conversion import to_torch_save, upgrade
 from groupshard.checkpoint.errors import CheckpointError, NoSpaceError, UnsafeCheckpointError
 from groupshard.checkpoint.folders import FORMAT, META_FILE
@@ -42,9 +43,11 @@ from groupshard.checkpoint.sharded import exists, holds_optimizer_state, load, r
 __all__ = [
     "FORMAT",
     "META_FILE",
+    "AsyncSave",
     "CheckpointError",
     "NoSpaceError",
     "UnsafeCheckpointError",
+    "async_save",
     "exists",
     "holds_optimizer_state",
     "load",

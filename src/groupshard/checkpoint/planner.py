@@ -189,6 +189,11 @@ class ParamPiece(torch.Tensor):
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is torch.ops.aten.detach.default:
             return args[0]
+        if func is torch.ops.aten.new_empty.default:
+            # DCP's staging (dcp.async_save's StateDictStager) copies a tensor subclass as
+            # an empty one of its kind whose attributes it then deep-copies: the piece,
+            # its elements staged into CPU memory. A placeholder until then: no allocation.
+            return ParamPiece(args[0].piece)
         raise TypeError(
             f"{func} on a piece of a sharded parameter: this rank holds only a range of its "
             "elements (ParamPiece.local()). For whole tensors ask torch's state-dict API for "

@@ -16,6 +16,7 @@ import shutil
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +152,31 @@ def save(
     :class:`NoSpaceError` (an OSError, errno ENOSPC) naming the folder and the bytes
     needed and free if the device (or a quota) is full, else a RuntimeError.
     """
+    planned = plan_save(path, model, optimizer, extra)
+    write_save(planned, planned.ranks)
+
+
+@dataclass
+class PlannedSave:
+    """A save's entries (pieces of this rank's tensors, plain values) and where they go:
+    everything ``write_save`` needs, found collectively by ``plan_save``."""
+
+    path: Path
+    ranks: comm.Ranks  # the model's ranks
+    entries: dict[str, Any]
+    aliases: dict[str, str]
+    meta: dict[str, Any]
+    temporary: Path
+
+
+def plan_save(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    extra: dict[str, Any] | None,
+) -> PlannedSave:
+    """What ``save`` writes and where (collective over the model's ranks: rank 0 finds the
+    save counter and the temporary folder)."""
     holder = holder_of(model, optimizer, "save")
     ranks = holder.ranks
     path = Path(path)
@@ -183,6 +209,14 @@ def save(
     comm.raise_if_any_failed(problem, ranks)
     serial, temporary = comm.broadcast_object(found, ranks)
     meta["serial"] = serial
+    return PlannedSave(path, ranks, entries, aliases, meta, temporary)
+
+
+def write_save(planned: PlannedSave, ranks: comm.Ranks) -> None:
+    """Write ``planned`` into its temporary folder, then (rank 0) put it in place; collective
+    over ``ranks`` (the model's, or a group of the same ranks for a background write). A
+    failure raises on every rank, the previous checkpoint intact."""
+    path, entries, temporary = planned.path, planned.entries, planned.temporary
     failure: BaseException | None = None
     try:
         state_dict = by_first_name({name: dcp_value(e) for name, e in entries.items()})
@@ -191,14 +225,15 @@ def save(
                 dcp.save(
                     state_dict,
                     checkpoint_id=temporary,
-                    storage_writer=folders.FileWriter(temporary, aliases),
+                    storage_writer=folders.FileWriter(temporary, planned.aliases),
                     planner=EntriesSavePlanner(),
                     **_dcp_kwargs(ranks),
                 )
         except dcp.CheckpointException as error:  # a BaseException, raised on every rank
             failure = error
         if failure is None:  # all have written; rank 0 puts it in place, then all go on
-            failure = _on_rank_0(_complete, ranks, temporary, meta, path, serial)
+            failure = _on_rank_0(_complete, ranks, temporary, planned.meta, path,
+                                 planned.meta["serial"])  # fmt: skip
     except BaseException:
         if ranks.rank == 0:
             shutil.rmtree(temporary, ignore_errors=True)

@@ -47,6 +47,7 @@ class TrainConfig:
     loss_scale: float = 2.0**16  # fp16: the scaler's initial scale (a checkpoint's on resume)
     replicate: int = 1  # > 1: hybrid sharding, this many replicas of world / replicate shards
     tp: int = 1  # > 1: tensor parallelism over this many ranks, sharded over world / tp
+    async_checkpoint: bool = False  # --ckpt-every's checkpoints written while training goes on
     freeze_embeddings_until: int = 0  # embeddings frozen before this step, then a group (0: off)
     start_from: str | None = None  # --from: a checkpoint folder (any writer) to start from
 

@@ -175,6 +175,13 @@ def _parser() -> argparse.ArgumentParser:
         "--ckpt-every", type=int, default=0, help="also save every N steps (0: at the end only)"
     )
     train.add_argument(
+        "--async-checkpoint", action="store_true",
+        help="write --ckpt-every's checkpoints in the background (gs.checkpoint.async_save): "
+        "training goes on once each rank's part is copied to CPU memory; the last "
+        "checkpoint, at the end or at a stop, is written in the foreground after the one in "
+        "flight completes. Not with --zero",
+    )  # fmt: skip
+    train.add_argument(
         "--eval-every", type=int, default=0, help="validation every N steps (0: --steps / 5)"
     )
     train.add_argument(
@@ -297,6 +304,11 @@ def _check(args: argparse.Namespace) -> TrainConfig:
         raise CommandError(f"--loss-scale needs --precision fp16, got --precision {args.precision}")
     if args.loss_scale is not None and not args.loss_scale > 0:
         raise CommandError(f"--loss-scale must be positive, got {args.loss_scale}")
+    if args.zero and args.async_checkpoint:
+        raise CommandError(
+            "--async-checkpoint needs groupshard's sharding (gs.checkpoint.async_save); "
+            "--zero saves a plain checkpoint on rank 0"
+        )
     if args.zero and args.precision != "fp32":
         raise CommandError(
             f"--precision {args.precision} needs groupshard's sharding; --zero (DDP + the ZeRO-1 "
@@ -339,7 +351,7 @@ def _check(args: argparse.Namespace) -> TrainConfig:
         ckpt_every=args.ckpt_every, eval_every=args.eval_every, clip=args.clip,
         timeout=args.timeout, precision=args.precision, grad_accum=args.grad_accum,
         init=args.init or ("full" if args.zero else "meta"),
-        replicate=_replicas(args), tp=args.tp,
+        replicate=_replicas(args), tp=args.tp, async_checkpoint=args.async_checkpoint,
         loss_scale=DEFAULT_LOSS_SCALE if args.loss_scale is None else args.loss_scale,
         freeze_embeddings_until=args.freeze_embeddings_until, start_from=args.start_from,
     )  # fmt: skip

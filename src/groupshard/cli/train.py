@@ -211,6 +211,9 @@ class Run:
         # the LR schedule's length: the first start's --steps, kept by its checkpoints, so a
         # run resumed with more --steps continues the schedule (then holds its final LR)
         self.schedule_steps = config.steps
+        # the step of the newest complete checkpoint (None: none yet), and a write in flight
+        self.saved_step: int | None = start if config.resume else None
+        self.writing: tuple[int, gs.checkpoint.AsyncSave] | None = None
 
     def _groups(self, model: torch.nn.Module, with_embeddings: bool) -> list[dict[str, Any]]:
         """decay / no_decay, then the embeddings in a group of their own (decayed) once they
@@ -289,11 +292,15 @@ class Run:
         nonfinite = torch.stack([~torch.isfinite(p.detach()).all() for p in params]).any()
         return not _agreed(bool(nonfinite), self.ranks)
 
-    def save(self, step: int) -> bool:
+    def save(self, step: int, background: bool = False) -> bool:
         """Save a checkpoint of ``step``, unless a parameter is not finite: then the last
-        checkpoint stays and this returns False (on every rank)."""
+        checkpoint stays and this returns False (on every rank). ``background``
+        (--async-checkpoint): return once the rank's part is staged, the write going on
+        while training does (``finish_write`` waits for it). A write in flight is finished
+        first, and its error raised."""
         if not self.parameters_finite():
             return False
+        self.finish_write()
         extra = {
             "step": step,
             "config": self.config.identity(),
@@ -302,7 +309,10 @@ class Run:
         if self.scaler is not None:
             extra["scaler"] = self.scaler.state_dict()
         path = Path(self.config.out) / CHECKPOINT
-        if self.sharded is not None:
+        if self.sharded is not None and background:
+            handle = gs.checkpoint.async_save(path, self.sharded, self.optimizer, extra=extra)
+            self.writing = (step, handle)
+        elif self.sharded is not None:
             gs.checkpoint.save(path, self.sharded, self.optimizer, extra=extra)
         else:  # ZeRO: a plain checkpoint (full model, consolidated optimizer) on rank 0
             self.optimizer.consolidate_state_dict(to=0)
@@ -310,7 +320,23 @@ class Run:
             space = comm.broadcast_object(space, self.ranks)  # rank 0's (needed, free) if full
             if space is not None:
                 raise gs.checkpoint.NoSpaceError(str(path), *space)
+        if not background:
+            self.saved_step = step
         return True
+
+    def finish_write(self) -> None:
+        """Wait for the checkpoint being written in the background, if any; raise its error
+        (the same on every rank) with the step it was of (``error.step``)."""
+        if self.writing is None:
+            return
+        step, handle = self.writing
+        self.writing = None
+        try:
+            handle.result()
+        except Exception as error:
+            error.step = step  # type: ignore[attr-defined]
+            raise
+        self.saved_step = step
 
     def _save_zero(self, path: Path, extra: dict[str, Any]) -> tuple[int, int] | None:
         """Rank 0 of a --zero run: write the plain checkpoint. None if written; (bytes
@@ -408,17 +434,25 @@ def nonfinite(loss: float, grad_norms: dict[str, float]) -> str | None:
     return None
 
 
-def _save(run: Run, step: int, status: str) -> tuple[str, str | None]:
-    """Save the checkpoint of ``step``: ``status`` and None if saved, else the run's new
-    status and why not ("diverged": a parameter is not finite; "failed": no space left on
-    the device), alike on every rank; the last checkpoint stays either way."""
+def _save(
+    run: Run, step: int | None, status: str, background: bool = False
+) -> tuple[str, str | None]:
+    """Save the checkpoint of ``step`` (None: only finish the write in flight, if any):
+    ``status`` and None if saved (or, ``background``, staged), else the run's new status
+    and why not ("diverged": a parameter is not finite; "failed": no space left on the
+    device, for this checkpoint or the one written in the background), alike on every
+    rank; the last complete checkpoint stays either way."""
     try:
-        if run.save(step):
+        if step is None:
+            run.finish_write()
+            return status, None
+        if run.save(step, background):
             return status, None
     except gs.checkpoint.NoSpaceError as error:
         return "failed", (
-            f"no space left on device in {error.folder} for the checkpoint of step {step} "
-            f"(it needs about {error.needed:,} bytes, {error.free:,} are free)"
+            f"no space left on device in {error.folder} for the checkpoint of step "
+            f"{getattr(error, 'step', step)} (it needs about {error.needed:,} bytes, "
+            f"{error.free:,} are free)"
         )
     return "diverged", f"a parameter is not finite after step {step}"
 
@@ -516,12 +550,13 @@ def train(
         run.load_from(config.start_from)
     if ranks.rank == 0:  # rows past the checkpoint (all, without one) are logged again
         report.keep_rows_up_to(out, start)
-    tokens_per_step = (
-        config.batch_size * config.grad_accum * run.model_config.block_size * ranks.size
-    )
+    tokens_per_step = (  # tp peers read the same tokens: the data-parallel ranks' batches
+        config.batch_size * config.grad_accum * run.model_config.block_size
+        * (ranks.size // config.tp)
+    )  # fmt: skip
     eval_every = config.eval_every or max(1, config.steps // 5)
     step, status, failure = start, "finished", None
-    last_saved = start if config.resume else None
+    last_started = start if config.resume else None  # the newest checkpoint saved or started
     started = time.perf_counter()
     with _progress(config.steps, start, enabled=ranks.rank == 0, file=progress_file) as progress:
         for step in range(start, config.steps):
@@ -538,16 +573,23 @@ def train(
             if problem is not None:
                 status, failure = "diverged", f"{problem} at step {step + 1} (lr {row['lr']:g})"
             elif config.ckpt_every and (step + 1) % config.ckpt_every == 0:
-                status, failure = _save(run, step + 1, status)
-                last_saved = step + 1 if failure is None else last_saved
+                status, failure = _save(run, step + 1, status, config.async_checkpoint)
+                last_started = step + 1 if failure is None else last_started
             if failure is not None:
                 step += 1
                 break
         else:
             step = config.steps
     nothing_new = status == "interrupted" and step == start
-    if failure is None and not nothing_new and last_saved != step:
-        status, failure = _save(run, step, status)
+    if failure is None and not nothing_new and last_started != step:
+        status, failure = _save(run, step, status)  # the last one in the foreground
+    elif failure is None:  # the newest checkpoint's write (if in flight) must complete
+        status, failure = _save(run, None, status)
+    else:  # a failed run keeps its newest complete checkpoint: the one in flight, if it
+        # completes (the failure already says what went wrong first)
+        with contextlib.suppress(Exception):
+            run.finish_write()
+    last_saved = run.saved_step
     elapsed = time.perf_counter() - started
     peak_rss = comm.gather_objects(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, ranks)
     summary = {

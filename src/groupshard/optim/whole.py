@@ -604,7 +604,11 @@ class WholeParamOptimizer(torch.optim.Optimizer):
         gather of the owners' states per process group, and one all-gather per state
         tensor of a ``"whole": False`` shard."""
         per_fqn: dict[str, dict[str, Any]] = {}
-        mine = {fqn: dict(state) for fqn, (_, state, _) in self.owned_states().items() if state}
+        mine = {  # copies, as the flat shards' gathered state is: not the live tensors
+            fqn: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+            for fqn, (_, state, _) in self.owned_states().items()
+            if state
+        }
         per_fqn.update(mine)
         groups = {}
         for group in self.param_groups:
@@ -615,7 +619,7 @@ class WholeParamOptimizer(torch.optim.Optimizer):
                 if segments is not None and not group["whole"]:
                     entries = flatten.gather_shard_state(
                         self.state.get(param, {}), param, segments.buffer, segments.ranks,
-                        segments.replicated,
+                        segments.replicated, segments.tensor_parallel,
                     )  # fmt: skip
                     per_fqn.update(zip(segments.fqns, entries, strict=True))
         for ranks in groups.values():
@@ -651,8 +655,9 @@ class WholeParamOptimizer(torch.optim.Optimizer):
                 self.state.pop(param, None)
                 if any(entries):
                     self.state[param] = flatten.shard_state_from(
-                        entries, param, segments.buffer, segments.shard_rank
-                    )
+                        entries, param, segments.buffer, segments.shard_rank,
+                        segments.tensor_parallel,
+                    )  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
         """torch's format with parameter names for keys (as
