@@ -602,6 +602,27 @@ def checkpoint_table(reports: list[Report]) -> Lines:
     return markdown(header, rows)
 
 
+def async_checkpoint_table(reports: list[Report]) -> Lines:
+    """``benchmarks/async_checkpoint.py``, one results file per model: each row's seconds
+    the training loop is blocked and until the checkpoint is complete (the slowest rank,
+    median over rounds), both against the same system's synchronous save, the peak RSS
+    above the start up to completion, and the loaded model's largest difference."""
+    header = ["model", "row", "blocked s", "complete s", "blocked / sync save",
+              "complete / sync save", "peak MiB above start", "max diff after load"]  # fmt: skip
+    rows = []
+    for report in reports:
+        if report.get("kind") != "async-checkpoint":
+            raise TableError("expects results of benchmarks/async_checkpoint.py")
+        for name, row in report["rows"].items():
+            rows.append([
+                MODEL_NAMES.get(report["model"], report["model"]), name,
+                f"{row['blocked_s']:.2f}", f"{row['total_s']:.2f}",
+                f"{row['blocked_vs_sync']:.2f}", f"{row['total_vs_sync']:.2f}",
+                mib(row["peak_above_start"], ".1f"), f"{row['max_difference']:.1e}",
+            ])  # fmt: skip
+    return markdown(header, rows)
+
+
 def tensor_parallel_table(reports: list[Report]) -> Lines:
     """``benchmarks/tensor_parallel.py``: each system on the (dp, tp) mesh, its step time
     (median over steps of the slowest rank) against FSDP2 + TP's, collectives per step (tp's
@@ -685,6 +706,7 @@ def scale_table(reports: list[Report]) -> Lines:
 KINDS: dict[str, Callable[[list[Report]], Lines]] = {
     "trainer": trainer_table,
     "tensor-parallel": tensor_parallel_table,
+    "async-checkpoint": async_checkpoint_table,
     "scale": scale_table,
     "regroup": regroup_table,
     "checkpoint": checkpoint_table,

@@ -125,8 +125,16 @@ def gs_async_case(rank: int, world_size: int, path: str) -> dict[str, Any]:
             error = "no error"
         except gs.checkpoint.NoSpaceError as caught:
             error = f"{type(caught).__name__}: {caught}"
+    denied = PermissionError(errno.EACCES, "Permission denied")  # the folder cannot be put
+    with mock.patch.object(gs.checkpoint.folders, "replace", side_effect=denied):
+        try:
+            gs.checkpoint.async_save(path, model, optimizer, extra={"step": 98}).result()
+            unwritable = "no error"
+        except RuntimeError as caught:
+            unwritable = f"{type(caught).__name__}: {caught}"
     return {
         "first done": first_done, "step": extra["step"], "error": error,
+        "unwritable": unwritable,
         "loaded": _difference(_whole_state(loaded, loaded_optimizer), at_second),
         "kept": gs.checkpoint.read_extra(path)["step"],
     }  # fmt: skip
@@ -138,4 +146,9 @@ def test_gs_async_save_writes_in_the_background_and_says_when_it_fails(run_ranks
         assert result["first done"] and result["step"] == RESUME_AT + 1, result
         assert result["loaded"] == 0.0, result  # the state at the second call, exactly
         assert result["error"].startswith("NoSpaceError: "), result  # on every rank
+        assert result["unwritable"].startswith(
+            f"RuntimeError: Saving the checkpoint {path!r} failed on some rank; the previous "
+            "checkpoint there (if any) is intact. Rank 0: "
+        ), result
+        assert "Permission denied" in result["unwritable"], result
         assert result["kept"] == RESUME_AT + 1, result  # the previous checkpoint stands

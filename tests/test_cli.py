@@ -745,12 +745,13 @@ def _kill_inside_a_save(process, out):
 def test_killed_anywhere_even_inside_a_save_then_resumed_ends_bit_identical(
     tmp_path, uninterrupted
 ):
-    """SIGKILL to the command's whole process group inside a save, while a resumed run
-    starts, and between two checkpoints; --resume after each, and the run ends with the
-    uninterrupted run's rows and weights."""
+    """SIGKILL to the command's whole process group inside a save (one written in the
+    background, --async-checkpoint, while training goes on), while a resumed run starts, and
+    between two checkpoints; --resume after each, and the run ends with the uninterrupted
+    run's rows and weights."""
     out = str(tmp_path / "run")
     options = [*TINY, *STEPS, "--ckpt-every", "5", "--out", out]
-    process = _start("train", *options)
+    process = _start("train", *options, "--async-checkpoint")
     _wait_for_rows(process, out, 6)  # the checkpoint of step 5 is complete: kill in a later
     _kill_inside_a_save(process, out)
     assert len(_inside_a_save(out)) == 1  # the unfinished save's folder, left behind

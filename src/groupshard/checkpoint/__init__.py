@@ -24,7 +24,8 @@ finds the newest complete checkpoint even among leftovers of interrupted saves
 rank, with the bytes needed and free. Optimizer state is cast to its parameter's dtype on
 load, as torch's ``Optimizer.load_state_dict`` does.
 
-Modules: ``sharded`` (save, load, exists, read_extra), ``entries`` (torch's names; reading
+Modules: ``sharded`` (save, load, exists, read_extra), ``background`` (async_save: the
+save written by a thread while training goes on), ``entries`` (torch's names; reading
 others' folders), ``pieces`` (what a sharded model, or a ZeRO optimizer and its model,
 holds as entries), ``planner`` (pieces as DCP sees them), ``torch_api`` (torch's
 state-dict API), ``codec`` (JSON values), ``conversion`` (one plain ``torch.save`` file;
