@@ -25,10 +25,8 @@ scale.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import shutil
 import statistics
 import tempfile
 import time
@@ -40,8 +38,19 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
-from checkpoint import CONFIGS, FSDP2, build, full_state, held_bytes, load, train_one_step
-from construction import _die_with_parent, _trim, peak_and_held, reset_peak, rss
+from checkpoint import (
+    CONFIGS,
+    FSDP2,
+    build,
+    full_state,
+    held_bytes,
+    init_worker,
+    load,
+    model_and_tokens,
+    rotating_rounds,
+    train_one_step,
+)
+from construction import _trim, peak_and_held, reset_peak, rss
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import groupshard as gs
@@ -109,29 +118,12 @@ def one_row(row: str, config: Any, tokens: torch.Tensor, folder: str, writer: An
 
 
 def _worker(rank: int, model_name: str, rounds: int, store: str, folder: str, out: str) -> None:
-    _die_with_parent()
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", store=dist.FileStore(store, WORLD_SIZE), rank=rank, world_size=WORLD_SIZE,
-        timeout=datetime.timedelta(seconds=900),
-    )  # fmt: skip
+    init_worker(rank, store)
     writer = dist.new_group(backend="gloo")  # dcp.async_save's own group, as torch asks
-    config, batch = CONFIGS[model_name]
-    generator = torch.Generator().manual_seed(1 + rank)
-    tokens = torch.randint(0, config.vocab_size, (batch, config.block_size + 1),
-                           generator=generator)  # fmt: skip
-    per_round = []
-    for r in range(rounds):
-        order = [ROWS[(r + i) % len(ROWS)] for i in range(len(ROWS))]
-        measured = {}
-        for row in order:
-            path = os.path.join(folder, f"round-{r}", row.replace(" ", "-"))
-            measured[row] = one_row(row, config, tokens, path, writer)
-        per_round.append({"order": order, "rows": measured})
-        dist.barrier()
-        if rank == 0:
-            shutil.rmtree(os.path.join(folder, f"round-{r}"), ignore_errors=True)
-        dist.barrier()
+    config, tokens = model_and_tokens(model_name, rank)
+    per_round = rotating_rounds(
+        ROWS, rounds, folder, lambda row, path: one_row(row, config, tokens, path, writer)
+    )
     Path(f"{out}.{rank}").write_text(json.dumps({"rank": rank, "rounds": per_round}))
     dist.destroy_process_group()
 

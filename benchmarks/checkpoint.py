@@ -205,29 +205,50 @@ def one_row(row: str, config: GPTConfig, tokens: torch.Tensor, folder: str) -> d
     return result
 
 
-def _worker(rank: int, model_name: str, rounds: int, store: str, folder: str, out: str) -> None:
+def init_worker(rank: int, store: str) -> None:
+    """A benchmark rank: one thread, gloo over a file store, ended with its parent."""
     _die_with_parent()
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", store=dist.FileStore(store, WORLD_SIZE), rank=rank, world_size=WORLD_SIZE,
         timeout=datetime.timedelta(seconds=900),
     )  # fmt: skip
+
+
+def model_and_tokens(model_name: str, rank: int) -> tuple[GPTConfig, torch.Tensor]:
+    """The model's config and this rank's batch of tokens."""
     config, batch = CONFIGS[model_name]
     generator = torch.Generator().manual_seed(1 + rank)
     shape = (batch, config.block_size + 1)
-    tokens = torch.randint(0, config.vocab_size, shape, generator=generator)
+    return config, torch.randint(0, config.vocab_size, shape, generator=generator)
+
+
+def rotating_rounds(
+    rows: tuple[str, ...], rounds: int, folder: str, measure_row: Callable[[str, str], dict]
+) -> list[dict[str, Any]]:
+    """``measure_row(row, its folder)`` for every row in every round, interleaved in an
+    order that rotates from round to round; each round's folders removed after it."""
     per_round = []
     for r in range(rounds):
-        order = [ROWS[(r + i) % len(ROWS)] for i in range(len(ROWS))]
+        order = [rows[(r + i) % len(rows)] for i in range(len(rows))]
         measured = {}
         for row in order:
-            path = os.path.join(folder, f"round-{r}", row.replace(" ", "-"))
-            measured[row] = one_row(row, config, tokens, path)
+            measured[row] = measure_row(row, os.path.join(folder, f"round-{r}",
+                                                          row.replace(" ", "-")))  # fmt: skip
         per_round.append({"order": order, "rows": measured})
         dist.barrier()
-        if rank == 0:
+        if dist.get_rank() == 0:
             shutil.rmtree(os.path.join(folder, f"round-{r}"), ignore_errors=True)
         dist.barrier()
+    return per_round
+
+
+def _worker(rank: int, model_name: str, rounds: int, store: str, folder: str, out: str) -> None:
+    init_worker(rank, store)
+    config, tokens = model_and_tokens(model_name, rank)
+    per_round = rotating_rounds(
+        ROWS, rounds, folder, lambda row, path: one_row(row, config, tokens, path)
+    )
     Path(f"{out}.{rank}").write_text(json.dumps({"rank": rank, "rounds": per_round}))
     dist.destroy_process_group()
 

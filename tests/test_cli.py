@@ -752,7 +752,11 @@ def test_killed_anywhere_even_inside_a_save_then_resumed_ends_bit_identical(
     out = str(tmp_path / "run")
     options = [*TINY, *STEPS, "--ckpt-every", "5", "--out", out]
     process = _start("train", *options, "--async-checkpoint")
-    _wait_for_rows(process, out, 6)  # the checkpoint of step 5 is complete: kill in a later
+    _wait_for_rows(process, out, 6)
+    # the checkpoint of step 5, written in the background, complete: kill in a later one
+    deadline = time.time() + TIMEOUT
+    while not gs.checkpoint.exists(os.path.join(out, "checkpoint")) and time.time() < deadline:
+        time.sleep(0.001)
     _kill_inside_a_save(process, out)
     assert len(_inside_a_save(out)) == 1  # the unfinished save's folder, left behind
     process = _start("train", *options, "--resume")
