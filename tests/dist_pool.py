@@ -73,12 +73,17 @@ class RankPool:
         for process in self._processes:
             process.start()
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0) -> list[Any]:
-        """Run ``fn(rank, world_size, *args)`` on every rank; results in rank order."""
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Start ``fn(rank, world_size, *args)`` on every rank without waiting for it (a test
+        of a killed job then ends the ranks with ``close``)."""
         if not self._processes:
             self._start()
         for tasks in self._tasks:
             tasks.put((fn, args))
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0) -> list[Any]:
+        """Run ``fn(rank, world_size, *args)`` on every rank; results in rank order."""
+        self.submit(fn, *args)
         results: dict[int, Any] = {}
         deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
         while len(results) < self.world_size:

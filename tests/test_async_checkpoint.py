@@ -9,18 +9,24 @@ from __future__ import annotations
 
 import errno
 import os
+import time
+from datetime import timedelta
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import groupshard as gs
+from groupshard import comm
 from test_checkpoint import RESUME_AT, batches, train
 from test_torch_state_dict import VectorOffsetGPT, _other_system, _plain_state
 
+from dist_pool import RankPool
 from helpers import UNITS, max_difference, three_groups
 
 STEPS_DURING_WRITE = 3
@@ -152,3 +158,97 @@ def test_gs_async_save_writes_in_the_background_and_says_when_it_fails(run_ranks
         ), result
         assert "Permission denied" in result["unwritable"], result
         assert result["kept"] == RESUME_AT + 1, result  # the previous checkpoint stands
+
+
+def writer_timeout_case(rank: int, world_size: int) -> list:
+    group = dist.new_group(list(range(world_size)), timeout=timedelta(seconds=17))
+    writer = comm.writer_group(comm.resolve_ranks(group))
+    return [comm.group_timeout(group), comm.group_timeout(writer.group), writer.group is group]
+
+
+def test_the_background_writes_group_waits_as_long_as_the_trainings(run_ranks):
+    """A write whose peer died fails within the training group's timeout, not torch's
+    default 30 minutes (the writer thread would hold the process that long)."""
+    for result in run_ranks(2, writer_timeout_case):
+        assert result == [timedelta(seconds=17), timedelta(seconds=17), False], result
+
+
+def _hang(markers: str, rank: int) -> None:
+    """Say this rank has reached the moment, then wait there to be killed."""
+    Path(markers, str(rank)).touch()
+    time.sleep(600)
+
+
+def killed_write_case(rank: int, world_size: int, path: str, moment: str, markers: str) -> None:
+    """A checkpoint saved at step RESUME_AT, one more step, then an asynchronous save that
+    stops at ``moment`` until the test SIGKILLs every rank: while staging; in the background
+    write, once the data files are written; or midway through putting the folder in place
+    (the previous one moved aside, the new one not yet moved in). Rank 0 leaves both states
+    whole in ``markers``/states.pt, for the test to compare the folder with."""
+    from groupshard.checkpoint import background, folders
+
+    model, optimizer = sharded(rank, world_size)
+    train(model, optimizer, batches()[:RESUME_AT], rank, world_size)
+    gs.checkpoint.save(path, model, optimizer, extra={"step": RESUME_AT})
+    before = gs.full_state_dict(model)
+    train(model, optimizer, batches()[RESUME_AT : RESUME_AT + 1], rank, world_size)
+    after = gs.full_state_dict(model)
+    if rank == 0:
+        torch.save({"before": before, "after": after}, os.path.join(markers, "states.pt"))
+    write_data = folders.FileWriter.write_data
+
+    def written_then_hang(self, plan, planner):
+        future = write_data(self, plan, planner)
+        future.wait()
+        _hang(markers, rank)
+
+    def moved_aside_then_hang(temporary, path, serial):
+        os.replace(path, path.with_name(f"{path.name}{folders._PREVIOUS}{serial:06d}-killed"))
+        _hang(markers, rank)
+
+    stop = {
+        "staging": (background, "_stage", lambda *args: _hang(markers, rank)),
+        "data written": (folders.FileWriter, "write_data", written_then_hang),
+        "folder moved aside": (folders, "replace", moved_aside_then_hang),
+    }
+    with mock.patch.object(*stop[moment]):
+        handle = gs.checkpoint.async_save(path, model, optimizer, extra={"step": RESUME_AT + 1})
+        train(model, optimizer, batches()[RESUME_AT + 1 : RESUME_AT + 2], rank, world_size)
+        handle.result()
+
+
+@pytest.mark.parametrize(
+    "moment, hanging_ranks, survivor",
+    [
+        ("staging", ["0", "1"], "before"),
+        ("data written", ["0", "1"], "before"),
+        ("folder moved aside", ["0"], "after"),  # the new folder is complete: it is newest
+    ],
+    ids=["staging", "data-written", "folder-moved-aside"],
+)
+def test_every_rank_killed_during_an_async_save_leaves_one_whole_checkpoint(
+    tmp_path, moment, hanging_ranks, survivor
+):
+    """SIGKILL of every rank at a moment of gs.checkpoint.async_save: the folder then loads
+    (here in one process) as exactly one of the two checkpoints, never a mix, never an
+    error: the previous one until the new one is complete, then the new one."""
+    path, markers = str(tmp_path / "ckpt"), tmp_path / "markers"
+    markers.mkdir()
+    pool = RankPool(2)
+    try:
+        pool.submit(killed_write_case, path, moment, str(markers))
+        deadline = time.monotonic() + 120
+        while sorted(p.name for p in markers.iterdir() if p.name != "states.pt") != hanging_ranks:
+            assert time.monotonic() < deadline, f"no rank reached {moment!r}"
+            time.sleep(0.05)
+    finally:
+        pool.close()  # SIGKILL, every rank at once
+    states = torch.load(markers / "states.pt", weights_only=True)
+    converted = tmp_path / "converted.pt"
+    gs.checkpoint.to_torch_save(path, converted)
+    loaded = torch.load(converted, weights_only=True)
+    expected = states[survivor]
+    assert loaded["extra"]["step"] == RESUME_AT + (survivor == "after")
+    assert loaded["model"].keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.equal(loaded["model"][name], value), name

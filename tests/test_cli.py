@@ -171,8 +171,9 @@ def _assert_learned(summary: dict, optimizer: str) -> None:
 
 
 def test_muon_decays_only_the_hidden_matrices():
+    from groupshard.cli.config import PRESETS
     from groupshard.cli.model import GPT
-    from groupshard.cli.train import PRESETS, optimizer_groups
+    from groupshard.cli.train import optimizer_groups
 
     model = GPT(PRESETS["tiny"])
     groups, names = optimizer_groups("muon", model, weight_decay=0.1)
@@ -234,7 +235,9 @@ def test_bad_inputs_give_one_line_errors(tmp_path, uninterrupted, capsys):
         "--steps must be at least 1": ["--steps", "0"],
         "--timeout must be a positive number of seconds, got 0.0": ["--timeout", "0"],
         "--tp 3 must divide the world size (2 processes)": ["--tp", "3"],
-        "--tp 3 must divide --model tiny's MLP width (256)": ["--tp", "3", "--nproc", "3"],
+        "--tp 3 must divide --model tiny's heads (4), MLP width (256) and vocabulary (256)": [
+            "--tp", "3", "--nproc", "3"
+        ],
         "--tp 2 does not work with --zero": ["--tp", "2", "--zero"],
         "--async-checkpoint needs groupshard's sharding": ["--async-checkpoint", "--zero"],
     }
@@ -368,7 +371,7 @@ def test_help_and_argument_errors_answer_without_importing_torch():
 
 def test_help_shows_every_default():
     from groupshard.cli import MODEL_SIZES
-    from groupshard.cli.train import PRESETS
+    from groupshard.cli.config import PRESETS
 
     assert set(MODEL_SIZES) == set(PRESETS)  # the parser's choices, named without torch
     text = groupshard("train", "--help").stdout
@@ -447,8 +450,8 @@ def test_resume_with_more_steps_continues_the_lr_schedule_then_holds_its_last_lr
 
 def test_summary_has_baselines_groups_and_a_sample_from_the_validation_text(uninterrupted):
     from groupshard.cli import data as corpus
+    from groupshard.cli.config import PRESETS
     from groupshard.cli.model import GPT
-    from groupshard.cli.train import PRESETS
 
     with open(os.path.join(uninterrupted, "summary.json")) as handle:
         summary = json.load(handle)
@@ -477,8 +480,8 @@ def test_summary_has_baselines_groups_and_a_sample_from_the_validation_text(unin
 
 def test_bf16_with_grad_accum_trains_records_both_and_resumes_only_alike(tmp_path):
     from groupshard.cli import data as corpus
+    from groupshard.cli.config import PRESETS
     from groupshard.cli.model import GPT
-    from groupshard.cli.train import PRESETS
 
     out = str(tmp_path / "run")
     options = ["--precision", "bf16", "--grad-accum", "2", "--init", "full"]  # eager: as below
@@ -622,6 +625,37 @@ def test_tensor_parallel_resumes_across_the_split_and_trains_as_tp_1(tmp_path, u
     with open(os.path.join(out, "summary.json")) as handle:
         summary = json.load(handle)
     assert summary["sample"]["new_bytes"] > 0, summary
+    # attention split by heads as the MLP and the embedding are: a rank holds a quarter of
+    # each split tensor (dp 2 x tp 2) and half of each replicated one, plus padding
+    from groupshard.cli.config import PRESETS
+    from groupshard.cli.model import GPT
+
+    split = re.compile(r"wte\.|attn\.qkv\.|attn\.proj\.weight|\.fc\.|\.out\.weight")
+    held = sum(
+        p.numel() / (4 if split.search(name) else 2)
+        for name, p in GPT(PRESETS["tiny"]).named_parameters()
+    )
+    assert held <= summary["parameters_per_rank"] < held + 64, (held, summary)
+
+
+def test_a_resumed_run_keeps_the_attention_layout_of_its_checkpoint(tmp_path, uninterrupted):
+    """New runs lay the fused attention projection out head by head (so that --tp splits it);
+    a checkpoint that does not record the layout was written with the earlier one (all
+    queries, then keys, then values), and its run resumes in it rather than misreading it."""
+    from groupshard.cli.main import _check, _parser
+
+    out = tmp_path / "earlier"
+    shutil.copytree(uninterrupted, out)
+    meta_file = out / "checkpoint" / "groupshard.json"
+    meta = json.loads(meta_file.read_text())
+    assert ["qkv_by_head", True] in meta["extra"]["config"]["__dict__"]
+    meta["extra"]["config"]["__dict__"].remove(["qkv_by_head", True])
+    meta_file.write_text(json.dumps(meta))
+    resume = ["train", *TINY, "--steps", "70", "--resume"]
+    earlier = _check(_parser().parse_args([*resume, "--out", str(out)]))
+    assert not earlier.qkv_by_head and not earlier.model_config().qkv_by_head
+    today = _check(_parser().parse_args([*resume, "--out", uninterrupted]))
+    assert today.qkv_by_head and today.model_config().qkv_by_head
 
 
 def test_stop_requests_take_a_repeat_within_a_second_as_the_same_one(monkeypatch):
@@ -815,8 +849,9 @@ def test_from_starts_at_another_systems_checkpoint(tmp_path, uninterrupted):
     that run ended, not where a fresh one starts; and a folder of another --model is named."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    from groupshard.cli.config import PRESETS
     from groupshard.cli.model import GPT
-    from groupshard.cli.train import PRESETS, optimizer_groups
+    from groupshard.cli.train import optimizer_groups
 
     torch.manual_seed(0)
     plain = GPT(PRESETS["tiny"])

@@ -22,6 +22,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import groupshard as gs
 from groupshard import comm
+from groupshard.cli.model import parallelize_gpt
 from test_muon import set_shard_grads
 from tp_llama import Block, Llama, LlamaConfig, parallelize_llama
 
@@ -540,3 +541,70 @@ def scaler_case(rank: int, world_size: int) -> dict:
 def test_grad_scaler_agrees_on_an_overflow_over_dp_and_tp(run_ranks):
     for rank, result in enumerate(run_ranks(4, scaler_case)):
         assert result == {"moved": [False, True], "scale": 8.0}, (rank, result)
+
+
+def gpt_case(rank: int, world_size: int, qkv_by_head: bool) -> dict:
+    """The command line's GPT split by ``parallelize_gpt`` over tp and sharded over dp: three
+    AdamW steps against the plain model on one process; which projections are split."""
+    from groupshard.cli.model import GPT, GPTConfig
+    from groupshard.cli.model import Block as GPTBlock
+
+    mesh = _mesh()
+    dp_rank = mesh["dp"].get_local_rank()
+    config = GPTConfig(block_size=16, n_layer=2, n_head=4, n_embd=32, qkv_by_head=qkv_by_head)
+    torch.manual_seed(0)
+    reference = GPT(config)
+    model = parallelize_gpt(copy.deepcopy(reference), mesh["tp"])
+    split = sorted(
+        n for n, p in model.named_parameters()
+        if isinstance(p, DTensor) and any(each.is_shard() for each in p.placements)
+    )  # fmt: skip
+    model = gs.shard(model, gs.decay_groups(model, 0.1), unit=GPTBlock, mesh=mesh["dp"])
+    # eps 1e-6: the query and key weights' gradients start near 0 (near-uniform attention),
+    # where the default 1e-8 would scale TP's float reordering up to lr-sized differences
+    optimizer = torch.optim.AdamW(model.optimizer_groups(), lr=1e-2, eps=1e-6)
+    reference_optimizer = torch.optim.AdamW(gs.decay_groups(reference, 0.1), lr=1e-2, eps=1e-6)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        tokens = torch.randint(0, 256, (4, config.block_size + 1), generator=generator)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        mine = slice(2 * dp_rank, 2 * dp_rank + 2)
+        model(inputs[mine], targets[mine]).backward()
+        reference(inputs, targets).backward()
+        for each in (optimizer, reference_optimizer):
+            each.step()
+            each.zero_grad()
+    full = gs.full_state_dict(model)
+    weights = {n: (full[n] - p).abs().max().item() for n, p in reference.named_parameters()}
+    return {"weights": max(weights.values()), "worst": max(weights, key=weights.get),
+            "split": split}  # fmt: skip
+
+
+@pytest.mark.parametrize("qkv_by_head", [True, False], ids=["by-head", "earlier-layout"])
+def test_the_command_lines_gpt_splits_attention_by_heads_and_trains_as_one_process(
+    run_ranks, qkv_by_head
+):
+    """``groupshard train --tp``'s plan: with the fused projection laid out head by head,
+    attention is split as the MLP is; with the earlier layout it stays replicated."""
+    per_block = ["fc.bias", "fc.weight", "out.weight"]
+    if qkv_by_head:
+        per_block += ["attn.proj.weight", "attn.qkv.weight"]
+    split = sorted(["wte.weight"] + [f"blocks.{i}.{n}" for i in range(2) for n in per_block])
+    for result in run_ranks(4, gpt_case, qkv_by_head):
+        assert result["split"] == split, result
+        assert result["weights"] < TOLERANCE, result
+
+
+def test_the_head_by_head_layout_is_the_earlier_one_with_its_rows_reordered():
+    """Same function, rows permuted: [q; k; v] of head 0, then of head 1, ..."""
+    from groupshard.cli.model import CausalSelfAttention, GPTConfig
+
+    torch.manual_seed(0)
+    earlier = CausalSelfAttention(GPTConfig(n_head=4, n_embd=32))
+    by_head = CausalSelfAttention(GPTConfig(n_head=4, n_embd=32, qkv_by_head=True))
+    by_head.load_state_dict(earlier.state_dict())
+    with torch.no_grad():
+        rows = earlier.qkv.weight.view(3, 4, 8, 32).transpose(0, 1).reshape(96, 32)
+        by_head.qkv.weight.copy_(rows)
+    x = torch.randn(2, 16, 32)
+    assert torch.equal(by_head(x), earlier(x))

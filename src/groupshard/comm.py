@@ -17,6 +17,7 @@ keeps them referenced until the wait.
 from __future__ import annotations
 
 import atexit
+import datetime
 import functools
 import hashlib
 import os
@@ -199,17 +200,31 @@ _writer_groups: dict[tuple[int, ...], Ranks] = {}
 def writer_group(ranks: Ranks) -> Ranks:
     """A gloo group of the same processes as ``ranks``, for a background thread's
     collectives (an asynchronous checkpoint's write), which must not interleave with the
-    training's on ``ranks``. Made when first asked for (only these processes take part),
-    then reused while it lives; held weakly, as every group here."""
+    training's on ``ranks``. Its collectives wait as long as ``ranks``' do, so that a write
+    whose peer died fails within the training's timeout. Made when first asked for (only
+    these processes take part), then reused while it lives; held weakly, as every group."""
     if ranks.is_local:
         return ranks
     members = tuple(dist.get_process_group_ranks(ranks.group))
     found = _writer_groups.get(members)
-    if found is not None and found.group_ref is not None and found.group_ref() is not None:
+    if found is not None and found.group_ref() is not None:
         return found
-    group = dist.new_group(list(members), backend="gloo", use_local_synchronization=True)
+    group = dist.new_group(
+        list(members), backend="gloo", timeout=group_timeout(ranks.group),
+        use_local_synchronization=True,
+    )  # fmt: skip
     _writer_groups[members] = resolve_ranks(group)
     return _writer_groups[members]
+
+
+def group_timeout(group: dist.ProcessGroup) -> datetime.timedelta | None:
+    """How long ``group``'s collectives wait (the ``timeout`` it was made with), or None
+    where its backend does not say (torch's default then applies)."""
+    for device in group._device_types:
+        timeout = getattr(getattr(group._get_backend(device), "options", None), "_timeout", None)
+        if timeout is not None:
+            return timeout
+    return None
 
 
 def all_gather(

@@ -5,20 +5,23 @@ imports torch's checkpoint and DTensor modules), so that its workers start soone
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from groupshard.cli.model import GPTConfig
 
-PRESETS = {
-    "tiny": GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64),
-    "small": GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=128),
-    "medium": GPTConfig(vocab_size=256, block_size=256, n_layer=6, n_head=8, n_embd=256),
+PRESETS = {  # the layout new runs use; a resumed one keeps its checkpoint's (TrainConfig)
+    "tiny": GPTConfig(256, block_size=64, n_layer=2, n_head=4, n_embd=64, qkv_by_head=True),
+    "small": GPTConfig(256, block_size=128, n_layer=4, n_head=4, n_embd=128, qkv_by_head=True),
+    "medium": GPTConfig(256, block_size=256, n_layer=6, n_head=8, n_embd=256, qkv_by_head=True),
 }
 CHECKPOINT = "checkpoint"
 ZERO_CHECKPOINT = "zero.pt"  # inside CHECKPOINT: the --zero run's plain torch.save file
 # identity keys that older checkpoints lack, with the value every run then had
-IDENTITY_BEFORE_RECORDED = {"precision": "fp32", "grad_accum": 1, "freeze_embeddings_until": 0}
+IDENTITY_BEFORE_RECORDED = {
+    "precision": "fp32", "grad_accum": 1, "freeze_embeddings_until": 0, "qkv_by_head": False,
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,11 @@ class TrainConfig:
     async_checkpoint: bool = False  # --ckpt-every's checkpoints written while training goes on
     freeze_embeddings_until: int = 0  # embeddings frozen before this step, then a group (0: off)
     start_from: str | None = None  # --from: a checkpoint folder (any writer) to start from
+    qkv_by_head: bool = True  # the attention's layout (GPTConfig); a resumed run keeps its own
+
+    def model_config(self) -> GPTConfig:
+        """The model this run trains: its preset, in the attention layout of the run."""
+        return dataclasses.replace(PRESETS[self.model], qkv_by_head=self.qkv_by_head)
 
     def identity(self) -> dict[str, Any]:
         """What a checkpoint must share with the run that resumes it."""
@@ -60,4 +68,5 @@ class TrainConfig:
             "precision": self.precision,
             "grad_accum": self.grad_accum,
             "freeze_embeddings_until": self.freeze_embeddings_until,
+            "qkv_by_head": self.qkv_by_head,
         }

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -146,9 +147,9 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     train.add_argument(
         "--tp", type=int, default=1, metavar="N",
-        help="tensor parallelism: each block's MLP and the tied embedding split over N ranks "
-        "as torchtitan splits them (attention replicated: its fused projection is not laid "
-        "out by heads), the model sharded over the other world size / N ranks; the global "
+        help="tensor parallelism: each block's attention (by heads) and MLP and the tied "
+        "embedding split over N ranks as torchtitan splits them, the model sharded over the "
+        "other world size / N ranks; the global "
         "batch is --batch-size x --grad-accum x world size / N (docs/tensor-parallel.md)",
     )  # fmt: skip
     train.add_argument(
@@ -330,10 +331,10 @@ def _check(args: argparse.Namespace) -> TrainConfig:
         raise CommandError(str(error)) from None
     block = PRESETS[args.model].block_size
     preset = PRESETS[args.model]
-    if (4 * preset.n_embd) % args.tp or preset.vocab_size % args.tp:
+    if preset.n_head % args.tp or (4 * preset.n_embd) % args.tp or preset.vocab_size % args.tp:
         raise CommandError(
-            f"--tp {args.tp} must divide --model {args.model}'s MLP width ({4 * preset.n_embd}) "
-            f"and its vocabulary ({preset.vocab_size})"
+            f"--tp {args.tp} must divide --model {args.model}'s heads ({preset.n_head}), MLP "
+            f"width ({4 * preset.n_embd}) and vocabulary ({preset.vocab_size})"
         )
     if sum(f.stat().st_size for f in files) < 20 * (block + 1):
         raise CommandError(f"--data is too small for --model {args.model} (block size {block})")
@@ -366,7 +367,7 @@ def _check(args: argparse.Namespace) -> TrainConfig:
     if resume:
         if not args.out:
             raise CommandError("--resume needs --out, the folder of the run to continue")
-        _check_resumable(checkpoint, config, finished_is_fine=restarted)
+        config = _check_resumable(checkpoint, config, finished_is_fine=restarted)
     elif checkpoint.exists() and not restarted:
         raise CommandError(
             f"{out} already holds a run; pass --resume to continue it or choose another --out"
@@ -393,9 +394,10 @@ def _has_checkpoint(checkpoint: Path) -> bool:
         return True
 
 
-def _check_resumable(checkpoint: Path, config: TrainConfig, finished_is_fine: bool) -> None:
+def _check_resumable(checkpoint: Path, config: TrainConfig, finished_is_fine: bool) -> TrainConfig:
     """The checkpoint exists and was written for the same model and optimizer (and, unless
-    ``finished_is_fine``, before the last of ``config.steps``)."""
+    ``finished_is_fine``, before the last of ``config.steps``). Returns ``config`` with what a
+    run takes from its checkpoint rather than its options: the attention's layout."""
     import torch
 
     from groupshard import checkpoint as gs_checkpoint
@@ -418,9 +420,11 @@ def _check_resumable(checkpoint: Path, config: TrainConfig, finished_is_fine: bo
     except Exception as error:
         source = checkpoint if sharded else zero_file
         raise CommandError(f"--resume: cannot read {source}: {describe(error)}") from None
+    # a checkpoint from before a key was recorded was written with its value then
+    saved = IDENTITY_BEFORE_RECORDED | saved
+    config = dataclasses.replace(config, qkv_by_head=saved["qkv_by_head"])
     for key, value in config.identity().items():
-        # a checkpoint from before a key was recorded was written with its value then
-        was = saved.get(key, IDENTITY_BEFORE_RECORDED.get(key))
+        was = saved.get(key)
         if was != value:
             raise CommandError(
                 f"--resume: the checkpoint in {checkpoint.parent} is from another run "
@@ -431,6 +435,7 @@ def _check_resumable(checkpoint: Path, config: TrainConfig, finished_is_fine: bo
             f"--resume: the run in {checkpoint.parent} is at step {step} already; pass a "
             f"--steps above {step} to train on"
         )
+    return config
 
 
 def _check_out(out: str) -> None:

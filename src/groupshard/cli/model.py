@@ -22,21 +22,30 @@ class GPTConfig:
     n_layer: int = 4
     n_head: int = 4
     n_embd: int = 128
+    # the fused projection's output rows head by head ([q, k, v] of head 0, then of head 1, ...,
+    # as Megatron-LM orders them), so that a split by rows gives each tp rank whole heads;
+    # False: all queries, then all keys, then all values (checkpoints that do not record it)
+    qkv_by_head: bool = False
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.n_head = config.n_head
+        self.head_dim = config.n_embd // config.n_head
+        self.by_head = config.qkv_by_head
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)
         self.proj = nn.Linear(config.n_embd, config.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, time, channels = x.shape
-        q, k, v = self.qkv(x).split(channels, dim=2)
-        q, k, v = (t.view(batch, time, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
+        batch, time, _ = x.shape
+        qkv = self.qkv(x)  # under tensor parallelism: this rank's heads only (qkv_by_head)
+        if self.by_head:
+            q, k, v = qkv.view(batch, time, -1, 3, self.head_dim).unbind(3)
+        else:
+            q, k, v = qkv.view(batch, time, 3, -1, self.head_dim).unbind(2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(batch, time, channels))
+        return self.proj(y.transpose(1, 2).reshape(batch, time, -1))
 
 
 class Block(nn.Module):
@@ -111,14 +120,15 @@ class GPT(nn.Module):
 
 
 def parallelize_gpt(model: GPT, tp_mesh: Any) -> GPT:
-    """torchtitan's tensor-parallel plan for what of the GPT it fits, on the 1-D mesh
-    ``tp_mesh``: the MLP column-wise then row-wise, the tied embedding and output layer by
-    vocabulary rows (row-wise embedding, column-wise output gathered to whole logits).
-    Attention stays replicated on the tp ranks: its fused projection's outputs are all
-    queries, then all keys, then all values, so no split by rows gives a rank whole heads
-    (Megatron-LM orders them head by head for that; this model keeps the layout of its
-    checkpoints). Norms and the position embedding are replicated too. Every tp rank must
-    see the same tokens."""
+    """torchtitan's tensor-parallel plan on the 1-D mesh ``tp_mesh``: attention by heads (the
+    fused projection column-wise, its output projection row-wise) and the MLP column-wise
+    then row-wise; the tied embedding and output layer by vocabulary rows (row-wise
+    embedding, column-wise output gathered to whole logits). Norms and the position
+    embedding are replicated. Every tp rank must see the same tokens.
+
+    A model with the earlier layout (``qkv_by_head=False``: all queries, then all keys, then
+    all values) keeps its attention replicated on the tp ranks, as no split by rows gives a
+    rank whole heads of it."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -126,8 +136,16 @@ def parallelize_gpt(model: GPT, tp_mesh: Any) -> GPT:
         parallelize_module,
     )
 
+    plan = {"fc": ColwiseParallel(), "out": RowwiseParallel()}
+    if model.config.qkv_by_head:
+        if model.config.n_head % tp_mesh.size():
+            raise ValueError(
+                f"a tensor-parallel degree of {tp_mesh.size()} must divide the model's "
+                f"{model.config.n_head} heads"
+            )
+        plan |= {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel()}
     for block in model.blocks:
-        parallelize_module(block, tp_mesh, {"fc": ColwiseParallel(), "out": RowwiseParallel()})
+        parallelize_module(block, tp_mesh, plan)
     parallelize_module(model, tp_mesh, {
         "wte": RowwiseParallel(input_layouts=Replicate()),
         "lm_head": ColwiseParallel(output_layouts=Replicate()),

@@ -28,7 +28,6 @@ from groupshard.cli import data as corpus
 from groupshard.cli import report
 from groupshard.cli.config import (
     CHECKPOINT,
-    PRESETS,
     ZERO_CHECKPOINT,
     TrainConfig,
 )
@@ -144,7 +143,7 @@ class Run:
         self, config: TrainConfig, ranks: comm.Ranks, device: torch.device, start: int = 0
     ) -> None:
         self.config, self.ranks, self.device = config, ranks, device
-        self.model_config = PRESETS[config.model]
+        self.model_config = config.model_config()
         train_data, val_data = corpus.split(corpus.load_corpus(config.data))
         self.train_data, self.val_data = train_data.to(device), val_data.to(device)
         torch.manual_seed(config.seed)
