@@ -348,6 +348,50 @@ def refusals_case(folder: str) -> dict[str, Any]:
     return messages
 
 
+def async_checkpoint_case(folder: str) -> dict[str, Any]:
+    """Lightning's AsyncCheckpointIO plugin: ModelCheckpoint's folders are written in the
+    background (gs.checkpoint.async_save, training going on), the run is the whole run, and
+    a fit resumed from the first epoch's folder ends as it, bit for bit. Another
+    CheckpointIO is refused (the strategy writes gs.checkpoint folders itself)."""
+    from unittest import mock
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+
+    whole = LanguageModel()
+    trainer(folder, GroupShardStrategy(unit=Block), max_epochs=2).fit(whole, loader(True))
+    folders = os.path.join(folder, "checkpoints")
+    saving = trainer(
+        folder, GroupShardStrategy(unit=Block), max_epochs=2, plugins=[AsyncCheckpointIO()],
+        enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=folders, filename="{epoch}", save_top_k=-1)],
+    )  # fmt: skip
+    checkpointed = LanguageModel()
+    with mock.patch.object(gs.checkpoint, "async_save", wraps=gs.checkpoint.async_save) as spy:
+        saving.fit(checkpointed, loader(True))
+    resumed = LanguageModel(seed=5)
+    again = trainer(folder, GroupShardStrategy(unit=Block), max_epochs=2)
+    again.fit(resumed, loader(True), ckpt_path=os.path.join(folders, "epoch=0.ckpt"))
+
+    class OwnIO(TorchCheckpointIO):
+        pass
+
+    refused = trainer(folder, GroupShardStrategy(unit=Block), plugins=[OwnIO()])
+    refused.fit(LanguageModel(), loader())
+    try:
+        refused.save_checkpoint(os.path.join(folder, "own"))
+        message = "no error"
+    except TypeError as error:
+        message = str(error)
+    return {
+        "background_saves": spy.call_count,
+        "folders": sorted(os.listdir(folders)),
+        "checkpointed": difference(weights(checkpointed), weights(whole)),
+        "resumed": difference(weights(resumed), weights(whole)),
+        "refused": message,
+    }
+
+
 CASES = {
     "fit": fit_case,
     "clip_value": clip_value_case,
@@ -356,6 +400,7 @@ CASES = {
     "fp16": fp16_case,
     "lora": lora_case,
     "refusals": refusals_case,
+    "async_checkpoint": async_checkpoint_case,
 }
 
 

@@ -80,18 +80,27 @@ def _wait_for_rows(process, out, count):
     raise AssertionError(f"no {count} rows in {log}: {process.communicate()[1][-3000:]}")
 
 
-def _workers(launcher, marker=b"spawn_main"):
-    """The pids of the launcher's worker processes (its multiprocessing spawn children, or
-    those whose command line holds ``marker``)."""
+def _children(pid, marker=b""):
+    """The pids of ``pid``'s child processes whose command line holds ``marker``."""
     pids = []
     for proc in Path("/proc").iterdir():
         try:
             parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if parent == launcher.pid and marker in (proc / "cmdline").read_bytes():
+            if parent == pid and marker in (proc / "cmdline").read_bytes():
                 pids.append(int(proc.name))
         except (OSError, ValueError, IndexError):
             continue
     return sorted(pids)
+
+
+def _workers(launcher, marker=None):
+    """The pids of the launcher's worker processes: the children of the multiprocessing
+    forkserver it started (or, given ``marker``, its own children whose command line holds
+    it, as torchrun's are)."""
+    if marker is not None:
+        return _children(launcher.pid, marker)
+    servers = _children(launcher.pid, b"forkserver")
+    return sorted(pid for server in servers for pid in _children(server))
 
 
 def _alive(pid):
@@ -387,8 +396,9 @@ def test_ctrl_c_during_start_up_claims_no_checkpoint_and_resume_says_so(tmp_path
     out = str(tmp_path / "run")
     process = _start("train", *TINY, "--out", out)
     deadline = time.time() + TIMEOUT
-    while len(_workers(process)) < 2 and time.time() < deadline:  # the workers import torch
-        time.sleep(0.05)
+    # the server the workers fork from is importing torch and the training loop
+    while not _children(process.pid, b"forkserver") and time.time() < deadline:
+        time.sleep(0.01)
     os.killpg(process.pid, signal.SIGINT)
     interrupted = time.time()
     _, stderr = process.communicate(timeout=TIMEOUT)
@@ -605,7 +615,8 @@ def test_stop_signals_save_say_where_and_resume_ends_as_the_uninterrupted_run(
 def test_tensor_parallel_resumes_across_the_split_and_trains_as_tp_1(tmp_path, uninterrupted):
     """A run on 2 processes stopped (SIGTERM) and resumed with --tp 2 on 4 (dp 2 x tp 2: the
     same global batch): its checkpoint crosses the split, the TP run trains, samples and
-    saves as the uninterrupted run to float precision (TP reorders sums), rows and weights."""
+    saves as the uninterrupted run to float precision (TP reorders sums), rows and weights.
+    Stopped and resumed once more at --tp 2, it ends as the TP run that was not, bit for bit."""
     out = str(tmp_path / "run")
     process = _start("train", *TINY, *STEPS, "--out", out)
     _wait_for_rows(process, out, 10)
@@ -613,7 +624,18 @@ def test_tensor_parallel_resumes_across_the_split_and_trains_as_tp_1(tmp_path, u
     _, stderr = process.communicate(timeout=TIMEOUT)
     assert process.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     saved = len(_rows(out))
-    groupshard("train", *TINY, *STEPS, "--out", out, "--resume", "--nproc", "4", "--tp", "2")
+    parts = str(tmp_path / "parts")
+    shutil.copytree(out, parts)
+    tp = ["--resume", "--nproc", "4", "--tp", "2"]
+    groupshard("train", *TINY, *STEPS, "--out", out, *tp)
+    # stopped and resumed again at the same split: the same run as the one above, bit for bit
+    process = _start("train", *TINY, *STEPS, "--out", parts, *tp)
+    _wait_for_rows(process, parts, 30)
+    os.killpg(process.pid, signal.SIGTERM)
+    _, stderr = process.communicate(timeout=TIMEOUT)
+    assert process.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    groupshard("train", *TINY, *STEPS, "--out", parts, *tp)
+    _assert_same_run(parts, out, tmp_path)
     rows, whole = _rows(out), _rows(uninterrupted)
     assert [row["step"] for row in rows] == list(range(1, 61))
     assert _timeless(rows[:saved]) == _timeless(whole[:saved])  # before the stop: itself

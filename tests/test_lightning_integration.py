@@ -66,6 +66,17 @@ def test_resume_from_save_checkpoint_equals_the_whole_run(results):
     assert result["sharded_vs_ddp"] < TOLERANCE
 
 
+def test_async_checkpoint_io_writes_in_the_background_and_resumes_exactly(results):
+    result = case(results, "async_checkpoint")
+    assert result["background_saves"] == 2  # ModelCheckpoint's, one an epoch
+    assert result["folders"] == ["epoch=0.ckpt", "epoch=1.ckpt"]
+    assert result["checkpointed"] == 0.0 and result["resumed"] == 0.0
+    assert result["refused"].startswith(
+        "GroupShardStrategy writes gs.checkpoint folders itself and cannot use the "
+        "CheckpointIO OwnIO"
+    ), result["refused"]
+
+
 def test_bf16_mixed_equals_ddp_with_the_same_casts(results):
     result = case(results, "bf16")
     assert result["plugin"] == "GroupShardPrecision"

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from groupshard.cli.config import TrainConfig
 
 LAUNCHER_LOG = "launcher.log"  # in --out: the launcher's and the workers' logs
+WORKER_MODULE = "groupshard.cli.train"  # what the workers run, imported before they fork
 # seconds: far above what a healthy rank waits for another here (a step, a checkpoint), far
 # below torch's defaults (30 min on gloo, 10 on NCCL) that would leave a hung run silent
 DEFAULT_TIMEOUT = 300.0
@@ -462,6 +463,8 @@ def _launch(config: TrainConfig, nproc: int) -> int:
     the progress bar, the summary and, last, one line on the outcome.
     """
     with _StopRequests() as stop:  # first: from here on a Ctrl-C is a request to stop
+        import multiprocessing
+
         from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -471,9 +474,13 @@ def _launch(config: TrainConfig, nproc: int) -> int:
             launch = LaunchConfig(
                 min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
                 rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
-                start_method="spawn", monitor_interval=0.2,
+                start_method="forkserver", monitor_interval=0.2,
                 logs_specs=DefaultLogsSpecs(log_dir=error_files),  # each worker's error.json
             )  # fmt: skip
+            # the workers fork from a server that imported the training loop once, not
+            # each importing torch anew as spawned ones do (on CPU, 4 workers start 3 s
+            # sooner); it imports no CUDA state, so forking from it is safe on GPUs too
+            multiprocessing.set_forkserver_preload([WORKER_MODULE])
             try:
                 summaries = stop.run(
                     elastic_launch(launch, _worker), config, str(log_file), stop.event
@@ -493,8 +500,9 @@ def _launch(config: TrainConfig, nproc: int) -> int:
 
 
 def _worker(config: TrainConfig, log_file: str, stop_event: Any) -> dict[str, Any]:
-    """The launched workers' entry point: ``train.worker``, imported in the spawned workers
-    only (0.4 s less before they start: the launcher needs none of the loop's imports)."""
+    """The launched workers' entry point: ``train.worker``, imported by the server they fork
+    from, not by the launcher (0.4 s less before they start: it needs none of the loop's
+    imports)."""
     from groupshard.cli.train import worker
 
     return worker(config, log_file, stop_event)

@@ -34,6 +34,11 @@ from groupshard.cli.config import (
 from groupshard.cli.model import GPT, Block, parallelize_gpt
 from groupshard.mesh import MESH_DIM_NAMES
 
+# what gloo raises on a rank whose peer's process is gone, and how long such a rank waits
+# before it fails (the launcher checks its workers every 0.2 s, torchrun every 0.1 s)
+PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+PEER_GONE_GRACE = 1.0  # seconds
+
 # --precision: the dtype units gather and compute in (gradients reduce in fp32 either way)
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -762,7 +767,13 @@ def worker(
         if dist.get_rank() == 0 and summary["step"]:  # else nothing to plot or show
             report.finish(Path(config.out), summary)
         return summary
-    except (Exception, KeyboardInterrupt, SystemExit):
+    except Exception as error:
+        if any(text in str(error) for text in PEER_GONE):
+            # a consequence of a peer's death (killed, out of memory): the launcher reports
+            # the first worker it sees fail, so let it see that one first
+            time.sleep(PEER_GONE_GRACE)
+        raise
+    except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as error:  # torch's error file records only Exceptions: not DCP's
         cause = root_cause(error)

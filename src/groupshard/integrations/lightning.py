@@ -21,7 +21,9 @@ What it does differently for a sharded model:
   folder at ``path``: every rank its shards, the optimizer, and Lightning's own state (loops,
   callbacks, schedulers, the scaler) beside them, no pickle; ``fit(ckpt_path=path)``
   resumes from it at any world size, and from a Lightning ``.ckpt`` file written by one
-  process or DDP (read with ``torch.load(weights_only=True)``);
+  process or DDP (read with ``torch.load(weights_only=True)``); with Lightning's
+  ``AsyncCheckpointIO`` plugin the folder is written in the background
+  (``gs.checkpoint.async_save``) while training goes on;
 - ``trainer.lightning_module.state_dict()`` is the full model under its original keys on
   every rank (a collective).
 """
@@ -37,6 +39,7 @@ from typing import Any, Literal
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 from lightning.pytorch.plugins.precision import (
     DoublePrecision,
     HalfPrecision,
@@ -109,6 +112,7 @@ class GroupShardStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **shard_options: Any,
     ) -> None:
+        self._background_write: gs_checkpoint.AsyncSave | None = None
         self._shard_options = check_shard_options(
             {"unit": unit, "strategy": strategy, **shard_options}, "GroupShardStrategy"
         )
@@ -260,6 +264,7 @@ class GroupShardStrategy(DDPStrategy):
                 "GroupShardStrategy.save_checkpoint(..., storage_options=...) is not supported: "
                 "the checkpoint is a gs.checkpoint folder, not written by a CheckpointIO."
             )
+        background = self._writes_in_background()
         path = Path(self.broadcast(str(filepath)))
         optimizer = self._optimizer() if "optimizer_states" in checkpoint else None
         state = {
@@ -267,9 +272,37 @@ class GroupShardStrategy(DDPStrategy):
             for key, value in checkpoint.items()
             if key not in ("state_dict", "optimizer_states")
         }
-        gs_checkpoint.save(
-            path, self.sharded_module, optimizer, extra={LIGHTNING_STATE: _storable(state)}
-        )
+        extra = {LIGHTNING_STATE: _storable(state)}
+        self.finish_background_write()  # as AsyncCheckpointIO, a failed write raises here
+        if background:
+            self._background_write = gs_checkpoint.async_save(
+                path, self.sharded_module, optimizer, extra=extra
+            )
+        else:
+            gs_checkpoint.save(path, self.sharded_module, optimizer, extra=extra)
+
+    def _writes_in_background(self) -> bool:
+        """Whether checkpoints are written while training goes on: Lightning's
+        ``AsyncCheckpointIO`` plugin (around its default CheckpointIO) asks for it. Another
+        CheckpointIO is refused: the folder is written by gs.checkpoint, not by it."""
+        io = self.checkpoint_io
+        background = isinstance(io, AsyncCheckpointIO)
+        inner = io.checkpoint_io if background else io
+        if type(inner) is not TorchCheckpointIO:
+            raise TypeError(
+                f"GroupShardStrategy writes gs.checkpoint folders itself and cannot use the "
+                f"CheckpointIO {type(inner).__name__}: drop that plugin (AsyncCheckpointIO "
+                "around the default one writes them in the background)."
+            )
+        return background
+
+    def finish_background_write(self) -> None:
+        """Wait for the checkpoint being written in the background, if any, and raise its
+        error (the same on every rank). Collective only in that it waits for the write's own
+        collectives; every rank calls it at the same points."""
+        write, self._background_write = self._background_write, None
+        if write is not None:
+            write.result()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
         """Load the model (and, when fitting, the optimizer) from a ``gs.checkpoint`` folder,
@@ -279,6 +312,7 @@ class GroupShardStrategy(DDPStrategy):
                 "GroupShardStrategy never unpickles a checkpoint (weights_only=False): its "
                 "checkpoints hold no pickle, and .ckpt files are read with weights_only=True."
             )
+        self.finish_background_write()  # it may be the checkpoint asked for
         path = Path(self.broadcast(str(checkpoint_path)))
         optimizer = self._optimizer() if self.optimizers else None
         if path.is_file():
@@ -299,7 +333,8 @@ class GroupShardStrategy(DDPStrategy):
 
     def teardown(self) -> None:
         """Lightning's teardown without moving the module to the CPU (a sharded module
-        stays on its device)."""
+        stays on its device), once a checkpoint written in the background is complete."""
+        self.finish_background_write()
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
