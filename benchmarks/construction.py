@@ -80,6 +80,7 @@ import json
 import os
 import platform
 import re
+import signal
 import sys
 import tempfile
 import time
@@ -88,9 +89,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import fresh
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 # imported before any process group exists: torch modules first imported after
@@ -99,6 +100,7 @@ from torch import nn
 # docs/when-something-fails.md)
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import distribute_tensor
+from torch.multiprocessing import ProcessExitedException
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import groupshard as gs
@@ -428,16 +430,27 @@ def run_system(args: argparse.Namespace, system: str) -> list[dict[str, Any]]:
     budget = args.memory_budget_gb * GB
     with tempfile.TemporaryDirectory(prefix="groupshard-construction-") as tmp:
         result = os.path.join(tmp, "result.json")
-        context = mp.start_processes(
-            _worker, args=(args, system, os.path.join(tmp, "store"), result),
-            # spawn, never fork: a forked rank hung at its start in 2 of 16 runs (the
-            # parent had run torch before), a bare interpreter never did
-            nprocs=args.world_size, start_method="spawn", join=False,
+        context = fresh.start_processes(
+            _worker, (args, system, os.path.join(tmp, "store"), result), args.world_size,
+            # never a fork of this process: a forked rank hung at its start in 2 of 16 runs
+            # (this process had run torch before); the forkserver's server only imports it
+            join=False,
         )  # fmt: skip
-        most = 0
-        while not context.join(timeout=0.1):
+        most, started, finished = 0, time.monotonic(), None
+        while not _joined(context, result, system):
             total = sum(_rss_of(process.pid) for process in context.processes)
             most = max(most, total)
+            if finished is None and os.path.exists(result):  # every rank has measured
+                finished = time.monotonic()
+            if finished is not None and time.monotonic() - finished > EXIT_GRACE_S:
+                _end_lingering(context.processes, f"{system}'s ranks measured but did not exit")
+                break
+            if finished is None and time.monotonic() - started > args.rank_timeout:
+                _end_lingering(context.processes, f"{system}'s ranks did not finish")
+                raise TimeoutError(
+                    f"{system}'s ranks did not finish within --rank-timeout "
+                    f"{args.rank_timeout:g} s (their stacks are above)"
+                )
             if total > budget or _available_bytes() < 1 * GB:
                 for process in context.processes:
                     if process.is_alive():
@@ -452,6 +465,36 @@ def run_system(args: argparse.Namespace, system: str) -> list[dict[str, Any]]:
         for row in rows:
             row["all_ranks_rss_sampled_max"] = most
         return rows
+
+
+def _joined(context: Any, result: str, system: str) -> bool:
+    """Whether every rank has exited; a rank that aborted at exit after the results were
+    written (torch's gloo threads, docs/when-something-fails.md) is said, not raised."""
+    try:
+        return context.join(timeout=0.1)
+    except ProcessExitedException as error:
+        if not os.path.exists(result):
+            raise
+        print(f"{system}: a rank ended after measuring: {error}", file=sys.stderr)
+        return True
+
+
+EXIT_GRACE_S = 30.0
+"""How long ranks that wrote their results may take to exit before they are ended."""
+
+
+def _end_lingering(processes: list[Any], what: str) -> None:
+    """End the ranks still alive, each first asked for its threads' stacks (SIGABRT: the
+    ranks' faulthandler prints them on this stderr), and say so."""
+    alive = [process for process in processes if process.is_alive()]
+    print(f"{what}: pids {[p.pid for p in alive]}; their stacks follow", file=sys.stderr)
+    for process in alive:
+        os.kill(process.pid, signal.SIGABRT)
+    time.sleep(2)
+    for process in alive:
+        if process.is_alive():
+            process.kill()
+        process.join()
 
 
 def needed_bytes(system: str, params: int, unit: int, world_size: int) -> int:
@@ -623,6 +666,10 @@ def main(argv: list[str] | None = None) -> int:
         "--mmap-threshold", type=int, metavar="BYTES",
         help="start the ranks with glibc's MALLOC_MMAP_THRESHOLD_=BYTES: a fixed "
         "threshold, so freed blocks above it go back to the system at once",
+    )  # fmt: skip
+    parser.add_argument(
+        "--rank-timeout", type=float, default=3600.0, metavar="SECONDS",
+        help="end a system's ranks (their stacks printed) if they have not finished by then",
     )  # fmt: skip
     parser.add_argument("--json", metavar="PATH", help="write the report here")
     args = parser.parse_args(argv)

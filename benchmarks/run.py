@@ -102,6 +102,7 @@ from dataclasses import dataclass
 from typing import Any
 from unittest import mock
 
+import fresh
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -508,8 +509,9 @@ def spawn_ranks(
     with tempfile.TemporaryDirectory(prefix="groupshard-bench-") as tmp:
         result_path = os.path.join(tmp, "result.json")
         try:
-            mp.start_processes(worker, args=(args, os.path.join(tmp, "store"), result_path),
-                               nprocs=world_size, start_method="spawn")  # fmt: skip
+            fresh.start_processes(
+                worker, (args, os.path.join(tmp, "store"), result_path), world_size
+            )
         except mp.ProcessExitedException:
             # Some systems' threads abort the process at exit (after the results are written).
             if not os.path.exists(result_path):

@@ -44,8 +44,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import fresh
 import torch
-import torch.multiprocessing as mp
 from construction import _die_with_parent, _trim, peak_and_held, reset_peak, rss
 
 HERE = Path(__file__).resolve().parent
@@ -216,9 +216,9 @@ def run_row(worker: Any, row: str, model: str) -> list[dict[str, Any]]:
     JSON result (``out.<rank>``)."""
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "result")
-        mp.start_processes(
-            worker, args=(row, model, free_port(), os.path.join(folder, "run"), out),
-            nprocs=WORLD_SIZE, start_method="spawn",
+        fresh.start_processes(
+            worker, (row, model, free_port(), os.path.join(folder, "run"), out), WORLD_SIZE,
+            preload=("transformers", "peft"),
         )  # fmt: skip
         return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(WORLD_SIZE)]
 

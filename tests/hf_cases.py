@@ -128,7 +128,9 @@ def evaluated(trainer: Any) -> tuple[float, torch.Tensor]:
     return loss, torch.as_tensor(trainer.predict(Tokens(count=8)).predictions)
 
 
-def groupshard_trainer(folder: str, model: torch.nn.Module, **overrides: Any) -> Any:
+def groupshard_trainer(
+    folder: str, model: torch.nn.Module, async_checkpoint: bool = False, **overrides: Any
+) -> Any:
     from groupshard.integrations.transformers import Trainer
 
     return Trainer(
@@ -136,6 +138,7 @@ def groupshard_trainer(folder: str, model: torch.nn.Module, **overrides: Any) ->
         args=arguments(folder, **overrides),
         train_dataset=Tokens(),
         groupshard={"unit": decoder_layer(), "strategy": "full"},
+        async_checkpoint=async_checkpoint,
     )
 
 
@@ -268,6 +271,37 @@ def resume_case(folder: str) -> dict[str, Any]:
     }
 
 
+def async_checkpoint_case(folder: str) -> dict[str, Any]:
+    """Trainer(async_checkpoint=True): each checkpoint's groupshard/ folder is written in the
+    background (gs.checkpoint.async_save) while training goes on; a run resumed from the
+    step-2 checkpoint equals the whole run; what such checkpoints cannot serve is refused."""
+    from unittest import mock
+
+    whole = groupshard_trainer(os.path.join(folder, "whole"), tiny_llama())
+    whole.train()
+    parts = os.path.join(folder, "parts")
+    first = groupshard_trainer(
+        parts, tiny_llama(), async_checkpoint=True, save_strategy="steps", save_steps=2
+    )
+    with mock.patch.object(gs.checkpoint, "async_save", wraps=gs.checkpoint.async_save) as spy:
+        first.train()
+    checkpoint = os.path.join(parts, "checkpoint-2")
+    resumed = groupshard_trainer(parts, tiny_llama(seed=3))
+    resumed.train(resume_from_checkpoint=checkpoint)
+    try:
+        groupshard_trainer(parts, tiny_llama(), async_checkpoint=True, save_only_model=True)
+        refused = "no error"
+    except ValueError as error:
+        refused = str(error)
+    return {
+        "background_saves": spy.call_count,
+        "files": sorted(os.listdir(checkpoint)),
+        "difference": difference(weights(resumed.model), weights(whole.model)),
+        "checkpointed": difference(weights(first.model), weights(whole.model)),
+        "refused": refused,
+    }
+
+
 def lora_case(folder: str) -> dict[str, Any]:
     """peft LoRA through the Trainer equals DDP, keeps no state for frozen weights, and
     save_model writes the adapter, which peft loads."""
@@ -380,6 +414,7 @@ CASES = {
     "optimizers": optimizers_case,
     "lora": lora_case,
     "accelerate": accelerate_case,
+    "async_checkpoint": async_checkpoint_case,
 }
 
 

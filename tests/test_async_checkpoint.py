@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import groupshard as gs
 from groupshard import comm
+from groupshard.checkpoint import background
 from test_checkpoint import RESUME_AT, batches, train
 from test_torch_state_dict import VectorOffsetGPT, _other_system, _plain_state
 
@@ -113,10 +114,13 @@ def gs_async_case(rank: int, world_size: int, path: str) -> dict[str, Any]:
     model, optimizer = sharded(rank, world_size)
     train(model, optimizer, batches()[:RESUME_AT], rank, world_size)
     first = gs.checkpoint.async_save(path, model, optimizer, extra={"step": RESUME_AT})
+    staging = {name: buffer.data_ptr() for name, buffer in background._staging[model].items()}
     train(model, optimizer, batches()[RESUME_AT : RESUME_AT + 1], rank, world_size)
     at_second = _whole_state(model, optimizer)
     second = gs.checkpoint.async_save(path, model, optimizer, extra={"step": RESUME_AT + 1})
     first_done = first.done()  # the second save waited for it
+    # the same CPU buffers staged both: memory does not grow from one save to the next
+    reused = staging == {n: b.data_ptr() for n, b in background._staging[model].items()}
     steps = batches()[RESUME_AT + 1 : RESUME_AT + 1 + STEPS_DURING_WRITE]
     train(model, optimizer, steps, rank, world_size)
     second.result()
@@ -139,7 +143,8 @@ def gs_async_case(rank: int, world_size: int, path: str) -> dict[str, Any]:
         except RuntimeError as caught:
             unwritable = f"{type(caught).__name__}: {caught}"
     return {
-        "first done": first_done, "step": extra["step"], "error": error,
+        "first done": first_done, "reused": reused and len(staging) > 0,
+        "step": extra["step"], "error": error,
         "unwritable": unwritable,
         "loaded": _difference(_whole_state(loaded, loaded_optimizer), at_second),
         "kept": gs.checkpoint.read_extra(path)["step"],
@@ -150,6 +155,7 @@ def test_gs_async_save_writes_in_the_background_and_says_when_it_fails(run_ranks
     path = str(tmp_path / "ckpt")
     for result in run_ranks(2, gs_async_case, path):
         assert result["first done"] and result["step"] == RESUME_AT + 1, result
+        assert result["reused"], result
         assert result["loaded"] == 0.0, result  # the state at the second call, exactly
         assert result["error"].startswith("NoSpaceError: "), result  # on every rank
         assert result["unwritable"].startswith(
@@ -161,16 +167,21 @@ def test_gs_async_save_writes_in_the_background_and_says_when_it_fails(run_ranks
 
 
 def writer_timeout_case(rank: int, world_size: int) -> list:
+    default = comm.writer_group(comm.resolve_ranks(None))  # the same ranks, another timeout
     group = dist.new_group(list(range(world_size)), timeout=timedelta(seconds=17))
     writer = comm.writer_group(comm.resolve_ranks(group))
-    return [comm.group_timeout(group), comm.group_timeout(writer.group), writer.group is group]
+    return [
+        comm.group_timeout(group), comm.group_timeout(writer.group), writer.group is group,
+        comm.group_timeout(default.group) == comm.group_timeout(dist.group.WORLD),
+    ]  # fmt: skip
 
 
 def test_the_background_writes_group_waits_as_long_as_the_trainings(run_ranks):
     """A write whose peer died fails within the training group's timeout, not torch's
-    default 30 minutes (the writer thread would hold the process that long)."""
+    default 30 minutes (the writer thread would hold the process that long): one writer
+    group per training group's ranks and timeout."""
     for result in run_ranks(2, writer_timeout_case):
-        assert result == [timedelta(seconds=17), timedelta(seconds=17), False], result
+        assert result == [timedelta(seconds=17), timedelta(seconds=17), False, True], result
 
 
 def _hang(markers: str, rank: int) -> None:

@@ -89,6 +89,16 @@ def test_trainer_resumed_from_its_checkpoint_equals_the_whole_run(results):
     assert resumed == pytest.approx(whole, abs=TOLERANCE)
 
 
+def test_trainer_writes_checkpoints_in_the_background_and_resumes_from_them(results):
+    result = case(results, "async_checkpoint")
+    assert result["background_saves"] == 2  # save_steps 2 of 4 steps
+    assert "groupshard" in result["files"] and "model.safetensors" not in result["files"]
+    assert result["checkpointed"] == 0.0  # checkpointing did not change the run
+    assert result["difference"] < TOLERANCE
+    assert result["refused"].startswith("Trainer(async_checkpoint=True) writes the model"), result
+    assert "save_only_model=True" in result["refused"], result
+
+
 def test_trainer_with_peft_lora_equals_ddp_without_state_for_frozen_weights(results):
     result = case(results, "lora")
     assert result["difference"] < TOLERANCE

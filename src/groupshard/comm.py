@@ -194,7 +194,8 @@ def resolve_ranks(process_group: Any = None) -> Ranks:
     )
 
 
-_writer_groups: dict[tuple[int, ...], Ranks] = {}
+# writer groups by the ranks and timeout of the training group they write for
+_writer_groups: dict[tuple[tuple[int, ...], datetime.timedelta | None], Ranks] = {}
 
 
 def writer_group(ranks: Ranks) -> Ranks:
@@ -206,15 +207,15 @@ def writer_group(ranks: Ranks) -> Ranks:
     if ranks.is_local:
         return ranks
     members = tuple(dist.get_process_group_ranks(ranks.group))
-    found = _writer_groups.get(members)
+    timeout = group_timeout(ranks.group)
+    found = _writer_groups.get((members, timeout))
     if found is not None and found.group_ref() is not None:
         return found
     group = dist.new_group(
-        list(members), backend="gloo", timeout=group_timeout(ranks.group),
-        use_local_synchronization=True,
-    )  # fmt: skip
-    _writer_groups[members] = resolve_ranks(group)
-    return _writer_groups[members]
+        list(members), backend="gloo", timeout=timeout, use_local_synchronization=True
+    )
+    _writer_groups[members, timeout] = resolve_ranks(group)
+    return _writer_groups[members, timeout]
 
 
 def group_timeout(group: dist.ProcessGroup) -> datetime.timedelta | None:

@@ -20,7 +20,7 @@ from groupshard.flatten import plain_optimizer_state
 from groupshard.safetensors_io import load_safetensors
 from groupshard.segments import segments_of
 from groupshard.sharding import ShardingState, originals_installed, sharding_state
-from groupshard.tensor_parallel import TensorParallelism, whole_dims
+from groupshard.tensor_parallel import TensorParallelism, whole_dims, whole_tensor
 from groupshard.writes import note_parameters_written
 
 
@@ -40,9 +40,8 @@ def full_state_dict(
     )
     gathered: dict[str, torch.Tensor] = {}
     for storage in state.storages:
-        for fqn, tensor in storage.gather_params().items():
-            if tensor_parallel is not None:  # the local piece, gathered over dp: over tp too
-                tensor = tensor_parallel.whole(fqn, tensor)
+        for fqn, local in storage.gather_params().items():
+            tensor = whole_tensor(tensor_parallel, fqn, local)  # gathered over dp: over tp too
             if keep:
                 gathered[fqn] = _own_storage(tensor.cpu() if cpu_offload else tensor)
     if not keep:

@@ -25,7 +25,7 @@ from torch import nn
 from groupshard import comm
 from groupshard.layout import Box
 from groupshard.sharding import sharding_state
-from groupshard.tensor_parallel import whole_dims
+from groupshard.tensor_parallel import local_region, whole_dims, whole_tensor
 from groupshard.writes import note_parameters_written
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -193,11 +193,8 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike) -> int:
                         last = min(slot.offset + slot.numel, end)
                         if last <= first:
                             continue
-                        region = (  # under tensor parallelism: the local piece's block
-                            None
-                            if tensor_parallel is None
-                            else tensor_parallel.region(slot.fqn, slot.shape)
-                        )
+                        # under tensor parallelism: the local piece's block
+                        region = local_region(tensor_parallel, slot.fqn, slot.shape)
                         values = reader.flat_range(
                             chosen[slot.fqn], first - slot.offset, last - slot.offset, region
                         )
@@ -296,9 +293,7 @@ def save_safetensors(model: nn.Module, path: str | os.PathLike) -> None:
         params = storage.gather_params()  # one unit's parameters at a time
         for buffer in storage.layout.buffers:
             for slot in buffer.params:
-                tensor = params[slot.fqn]
-                if tensor_parallel is not None:  # the local piece: whole over tp
-                    tensor = tensor_parallel.whole(slot.fqn, tensor)
+                tensor = whole_tensor(tensor_parallel, slot.fqn, params[slot.fqn])
                 if writer is not None:
                     writer.write(lambda tensor=tensor: writer.file.write(_raw(tensor)))
         del params

@@ -150,6 +150,22 @@ def whole_dims(
     return tuple(tensor_parallel.params[fqn].shape)
 
 
+def local_region(
+    tensor_parallel: TensorParallelism | None, fqn: str, shape: Sequence[int]
+) -> Box | None:
+    """Where the local piece (of ``shape``) of ``fqn`` lies in the whole parameter; None
+    where it is all of it (no tensor parallelism, or ``fqn`` not split)."""
+    return None if tensor_parallel is None else tensor_parallel.region(fqn, shape)
+
+
+def whole_tensor(
+    tensor_parallel: TensorParallelism | None, fqn: str, local: torch.Tensor
+) -> torch.Tensor:
+    """The whole parameter ``fqn`` from its local pieces (collective over tp; ``local``
+    itself without tensor parallelism)."""
+    return local if tensor_parallel is None else tensor_parallel.whole(fqn, local)
+
+
 def apply_to_wholes(
     tensor_parallel: TensorParallelism,
     items: Sequence[tuple[str, torch.Tensor]],

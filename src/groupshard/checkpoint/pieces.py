@@ -44,7 +44,7 @@ from groupshard.full_state import check_optimizer
 from groupshard.optim.whole import WholeParamOptimizer
 from groupshard.segments import ShardSegments, segments_of
 from groupshard.sharding import sharding_state
-from groupshard.tensor_parallel import whole_dims
+from groupshard.tensor_parallel import local_region, whole_dims
 from groupshard.writes import note_parameters_written
 from groupshard.zero import ZeroRedundancyOptimizer
 
@@ -76,10 +76,7 @@ def flat_pieces(flat: torch.Tensor, segments: ShardSegments) -> list[Piece]:
     whole parameter (its ``region``)."""
     buffer, tensor_parallel = segments.buffer, segments.tensor_parallel
     shapes = entry_shapes(segments)
-    regions = [
-        None if tensor_parallel is None else tensor_parallel.region(slot.fqn, slot.shape)
-        for slot in buffer.params
-    ]
+    regions = [local_region(tensor_parallel, slot.fqn, slot.shape) for slot in buffer.params]
     if not segments.needs_reduce:  # this rank holds the whole buffer (as every rank does)
         return [
             Piece(flat[slot.offset : slot.offset + slot.numel], shape, 0, region)

@@ -16,7 +16,9 @@ What the Trainer does differently for a sharded model:
   (the full model for ``from_pretrained``, scheduler, RNG, trainer state), and
   ``resume_from_checkpoint`` loads them at any world size;
 - ``save_model`` gathers the full model on rank 0 and writes it as Trainer does
-  (safetensors; the adapter for a peft model); every rank calls it, as with FSDP.
+  (safetensors; the adapter for a peft model); every rank calls it, as with FSDP;
+- ``Trainer(..., async_checkpoint=True)`` writes each checkpoint's ``groupshard/`` folder in
+  the background while training goes on (those checkpoints hold no full model file).
 """
 
 from __future__ import annotations
@@ -47,11 +49,24 @@ class Trainer(transformers.Trainer):
     Args:
         groupshard: the options of ``gs.shard`` (``unit``, ``strategy``, ``mixed_precision``,
             ``mesh``...), without ``param_groups``: those are the Trainer's optimizer's.
+        async_checkpoint: write each checkpoint's ``groupshard/`` folder in the background
+            (``gs.checkpoint.async_save``) while training goes on. Such checkpoints hold the
+            model in that folder only (no full ``model.safetensors``, whose gather would stop
+            training): ``save_model`` at the end writes the full model, and
+            ``gs.checkpoint.to_torch_save`` converts a checkpoint's folder.
         Everything else: ``transformers.Trainer``'s arguments.
     """
 
-    def __init__(self, *args: Any, groupshard: Mapping[str, Any] | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        *args: Any,
+        groupshard: Mapping[str, Any] | None = None,
+        async_checkpoint: bool = False,
+        **kwargs: Any,
+    ):
         options = _shard_options(groupshard)
+        self.async_checkpoint = async_checkpoint
+        self._background_write: gs_checkpoint.AsyncSave | None = None
         if kwargs.get("model_init") is not None:
             raise ValueError(
                 "groupshard's Trainer does not take model_init (the model would be built "
@@ -61,6 +76,13 @@ class Trainer(transformers.Trainer):
         if self.model is None:
             raise ValueError("groupshard's Trainer needs model=, the unsharded model.")
         _refuse_what_cannot_apply(self.args, self.accelerator)
+        for name in ("load_best_model_at_end", "save_only_model", "push_to_hub"):
+            if async_checkpoint and getattr(self.args, name):
+                raise ValueError(
+                    f"Trainer(async_checkpoint=True) writes the model of a checkpoint in the "
+                    f"background, into its groupshard/ folder only, which "
+                    f"TrainingArguments({name}=True) cannot take: set one of them to False."
+                )
         if "mixed_precision" not in options:
             options["mixed_precision"] = _precision(self.args)
         optimizer = self.optimizer if self.optimizer is not None else self.create_optimizer()
@@ -79,9 +101,32 @@ class Trainer(transformers.Trainer):
     def _wrap_model(self, model: Any, training: bool = True, dataloader: Any = None) -> Any:
         return model  # never DDP, DataParallel or FSDP: the model is sharded
 
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """``transformers.Trainer.train``; then waits for a checkpoint being written in the
+        background and raises its error (after an error of training, only waits)."""
+        try:
+            output = super().train(*args, **kwargs)
+        except BaseException:
+            if self._background_write is not None:
+                self._background_write.wait()
+            raise
+        self.finish_background_write()
+        return output
+
+    def finish_background_write(self) -> None:
+        """Wait for the checkpoint being written in the background (``async_checkpoint``),
+        if any, and raise its error, the same on every rank."""
+        write, self._background_write = self._background_write, None
+        if write is not None:
+            write.result()
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The full model on rank 0, written as Trainer writes it (``from_pretrained`` loads
-        it; a peft model writes its adapter). A collective: every rank calls it."""
+        it; a peft model writes its adapter). A collective: every rank calls it. In a
+        checkpoint with ``async_checkpoint``, nothing: its ``groupshard/`` folder holds the
+        model."""
+        if _internal_call and self.async_checkpoint:
+            return
         state_dict = full_state_dict(self.model, rank0_only=True, cpu_offload=True)
         self._save(output_dir, state_dict=state_dict if self.args.should_save else None)
         if self.args.push_to_hub and not _internal_call:
@@ -93,9 +138,14 @@ class Trainer(transformers.Trainer):
         super()._save(output_dir, state_dict=state_dict)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        gs_checkpoint.save(
-            os.path.join(output_dir, CHECKPOINT_FOLDER), self.model, _unwrapped(self.optimizer)
-        )
+        folder = os.path.join(output_dir, CHECKPOINT_FOLDER)
+        optimizer = _unwrapped(self.optimizer)
+        os.makedirs(output_dir, exist_ok=True)  # for the Trainer's files beside (no save_model)
+        self.finish_background_write()  # a failed write raises at the next save
+        if self.async_checkpoint:
+            self._background_write = gs_checkpoint.async_save(folder, self.model, optimizer)
+        else:
+            gs_checkpoint.save(folder, self.model, optimizer)
         if self.args.should_save:
             scheduler_file = os.path.join(output_dir, transformers.trainer.SCHEDULER_NAME)
             torch.save(self.lr_scheduler.state_dict(), scheduler_file)
@@ -108,6 +158,7 @@ class Trainer(transformers.Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
             return
+        self.finish_background_write()  # it may be the checkpoint asked for
         folder = os.path.join(checkpoint, CHECKPOINT_FOLDER)
         if not os.path.isdir(folder):
             raise ValueError(
