@@ -330,8 +330,8 @@ def _check(args: argparse.Namespace) -> TrainConfig:
         files = corpus.corpus_files(args.data)
     except ValueError as error:
         raise CommandError(str(error)) from None
-    block = PRESETS[args.model].block_size
     preset = PRESETS[args.model]
+    block = preset.block_size
     if preset.n_head % args.tp or (4 * preset.n_embd) % args.tp or preset.vocab_size % args.tp:
         raise CommandError(
             f"--tp {args.tp} must divide --model {args.model}'s heads ({preset.n_head}), MLP "

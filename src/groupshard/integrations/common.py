@@ -5,11 +5,13 @@ trainer's ``bf16``/``fp16`` setting. Imports no trainer library."""
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from groupshard import checkpoint as gs_checkpoint
 from groupshard.api import ShardedModule, shard, shard_optimizer
 from groupshard.precision import MixedPrecision
 
@@ -51,3 +53,33 @@ def half_precision(dtype: torch.dtype) -> MixedPrecision:
     """A trainer's ``bf16``/``fp16`` mixed precision as groupshard runs it: the units gather
     and compute in ``dtype`` and reduce gradients in fp32; the shards stay fp32."""
     return MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
+class CheckpointWrites:
+    """A door's ``gs.checkpoint`` saves, each written now or in the background
+    (``gs.checkpoint.async_save``), one at a time: a save first waits for the one in
+    flight and raises its error, as Lightning's ``AsyncCheckpointIO`` does."""
+
+    def __init__(self) -> None:
+        self._in_flight: gs_checkpoint.AsyncSave | None = None
+
+    def save(
+        self,
+        path: str | os.PathLike,
+        model: ShardedModule,
+        optimizer: torch.optim.Optimizer | None,
+        extra: dict[str, Any] | None = None,
+        background: bool = False,
+    ) -> None:
+        self.finish()
+        if background:
+            self._in_flight = gs_checkpoint.async_save(path, model, optimizer, extra=extra)
+        else:
+            gs_checkpoint.save(path, model, optimizer, extra=extra)
+
+    def finish(self, raise_error: bool = True) -> None:
+        """Wait for the write in flight, if any; raise its error (the same on every rank)
+        unless ``raise_error`` is False (after another error)."""
+        write, self._in_flight = self._in_flight, None
+        if write is not None:
+            write.result() if raise_error else write.wait()

@@ -53,7 +53,12 @@ from groupshard import checkpoint as gs_checkpoint
 from groupshard.api import ShardedModule, shard
 from groupshard.checkpoint import codec
 from groupshard.full_state import load_optim_state_dict
-from groupshard.integrations.common import check_shard_options, half_precision, point_at_shards
+from groupshard.integrations.common import (
+    CheckpointWrites,
+    check_shard_options,
+    half_precision,
+    point_at_shards,
+)
 from groupshard.scaler import GradScaler
 
 LIGHTNING_STATE = "lightning"
@@ -112,7 +117,7 @@ class GroupShardStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **shard_options: Any,
     ) -> None:
-        self._background_write: gs_checkpoint.AsyncSave | None = None
+        self._checkpoint_writes = CheckpointWrites()
         self._shard_options = check_shard_options(
             {"unit": unit, "strategy": strategy, **shard_options}, "GroupShardStrategy"
         )
@@ -272,14 +277,9 @@ class GroupShardStrategy(DDPStrategy):
             for key, value in checkpoint.items()
             if key not in ("state_dict", "optimizer_states")
         }
-        extra = {LIGHTNING_STATE: _storable(state)}
-        self.finish_background_write()  # as AsyncCheckpointIO, a failed write raises here
-        if background:
-            self._background_write = gs_checkpoint.async_save(
-                path, self.sharded_module, optimizer, extra=extra
-            )
-        else:
-            gs_checkpoint.save(path, self.sharded_module, optimizer, extra=extra)
+        self._checkpoint_writes.save(
+            path, self.sharded_module, optimizer, {LIGHTNING_STATE: _storable(state)}, background
+        )
 
     def _writes_in_background(self) -> bool:
         """Whether checkpoints are written while training goes on: Lightning's
@@ -296,14 +296,6 @@ class GroupShardStrategy(DDPStrategy):
             )
         return background
 
-    def finish_background_write(self) -> None:
-        """Wait for the checkpoint being written in the background, if any, and raise its
-        error (the same on every rank). Collective only in that it waits for the write's own
-        collectives; every rank calls it at the same points."""
-        write, self._background_write = self._background_write, None
-        if write is not None:
-            write.result()
-
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
         """Load the model (and, when fitting, the optimizer) from a ``gs.checkpoint`` folder,
         or from a Lightning ``.ckpt`` file of one process or DDP; return Lightning's state."""
@@ -312,7 +304,7 @@ class GroupShardStrategy(DDPStrategy):
                 "GroupShardStrategy never unpickles a checkpoint (weights_only=False): its "
                 "checkpoints hold no pickle, and .ckpt files are read with weights_only=True."
             )
-        self.finish_background_write()  # it may be the checkpoint asked for
+        self._checkpoint_writes.finish()  # it may be the checkpoint asked for
         path = Path(self.broadcast(str(checkpoint_path)))
         optimizer = self._optimizer() if self.optimizers else None
         if path.is_file():
@@ -334,7 +326,7 @@ class GroupShardStrategy(DDPStrategy):
     def teardown(self) -> None:
         """Lightning's teardown without moving the module to the CPU (a sharded module
         stays on its device), once a checkpoint written in the background is complete."""
-        self.finish_background_write()
+        self._checkpoint_writes.finish()
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()

@@ -36,7 +36,12 @@ from groupshard import checkpoint as gs_checkpoint
 from groupshard.api import shard
 from groupshard.full_state import full_state_dict
 from groupshard.integrations.accelerate import prepare
-from groupshard.integrations.common import check_shard_options, half_precision, point_at_shards
+from groupshard.integrations.common import (
+    CheckpointWrites,
+    check_shard_options,
+    half_precision,
+    point_at_shards,
+)
 from groupshard.precision import MixedPrecision
 
 CHECKPOINT_FOLDER = "groupshard"
@@ -66,7 +71,7 @@ class Trainer(transformers.Trainer):
     ):
         options = _shard_options(groupshard)
         self.async_checkpoint = async_checkpoint
-        self._background_write: gs_checkpoint.AsyncSave | None = None
+        self._checkpoint_writes = CheckpointWrites()
         if kwargs.get("model_init") is not None:
             raise ValueError(
                 "groupshard's Trainer does not take model_init (the model would be built "
@@ -107,18 +112,10 @@ class Trainer(transformers.Trainer):
         try:
             output = super().train(*args, **kwargs)
         except BaseException:
-            if self._background_write is not None:
-                self._background_write.wait()
+            self._checkpoint_writes.finish(raise_error=False)
             raise
-        self.finish_background_write()
+        self._checkpoint_writes.finish()
         return output
-
-    def finish_background_write(self) -> None:
-        """Wait for the checkpoint being written in the background (``async_checkpoint``),
-        if any, and raise its error, the same on every rank."""
-        write, self._background_write = self._background_write, None
-        if write is not None:
-            write.result()
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The full model on rank 0, written as Trainer writes it (``from_pretrained`` loads
@@ -138,14 +135,11 @@ class Trainer(transformers.Trainer):
         super()._save(output_dir, state_dict=state_dict)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        folder = os.path.join(output_dir, CHECKPOINT_FOLDER)
-        optimizer = _unwrapped(self.optimizer)
         os.makedirs(output_dir, exist_ok=True)  # for the Trainer's files beside (no save_model)
-        self.finish_background_write()  # a failed write raises at the next save
-        if self.async_checkpoint:
-            self._background_write = gs_checkpoint.async_save(folder, self.model, optimizer)
-        else:
-            gs_checkpoint.save(folder, self.model, optimizer)
+        self._checkpoint_writes.save(
+            os.path.join(output_dir, CHECKPOINT_FOLDER), self.model, _unwrapped(self.optimizer),
+            background=self.async_checkpoint,
+        )  # fmt: skip
         if self.args.should_save:
             scheduler_file = os.path.join(output_dir, transformers.trainer.SCHEDULER_NAME)
             torch.save(self.lr_scheduler.state_dict(), scheduler_file)
@@ -158,7 +152,7 @@ class Trainer(transformers.Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
             return
-        self.finish_background_write()  # it may be the checkpoint asked for
+        self._checkpoint_writes.finish()  # it may be the checkpoint asked for
         folder = os.path.join(checkpoint, CHECKPOINT_FOLDER)
         if not os.path.isdir(folder):
             raise ValueError(
