@@ -20,7 +20,9 @@ WHAT_TO_DO = (
     "groupshard already shards the model and reduces its gradients: train the sharded model "
     "as it is, each rank with its own batch. With Hugging Face's Trainer use "
     "groupshard.integrations.transformers.Trainer, with an accelerate loop "
-    "groupshard.integrations.accelerate.prepare (docs/integrations.md)."
+    "groupshard.integrations.accelerate.prepare, with Lightning or Fabric their "
+    "groupshard.integrations.lightning or .fabric GroupShardStrategy (docs/integrations.md, "
+    "docs/lightning.md)."
 )
 
 
