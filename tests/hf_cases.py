@@ -175,7 +175,20 @@ def trainer_case(folder: str) -> dict[str, Any]:
     groups = [
         (len(group["params"]), group["weight_decay"]) for group in trainer.optimizer.param_groups
     ]
+    with open(os.path.join(saved, "config.json")) as file:
+        architectures = json.load(file)["architectures"]
     return {
+        # the unsharded model's counts and FLOPs, as under DDP
+        "counts": [
+            [trainer.model.num_parameters(), ddp.model.num_parameters()],
+            [
+                trainer.model.num_parameters(only_trainable=True, exclude_embeddings=True),
+                ddp.model.num_parameters(only_trainable=True, exclude_embeddings=True),
+            ],
+            [trainer.get_num_trainable_parameters(), ddp.get_num_trainable_parameters()],
+            [trainer.state.total_flos, ddp.state.total_flos],
+        ],
+        "architectures": architectures,
         "difference": difference(mine, reference),
         "losses": losses(trainer),
         "reference_losses": reference_losses,
@@ -307,7 +320,9 @@ def lora_case(folder: str) -> dict[str, Any]:
     save_model writes the adapter, which peft loads."""
     from peft import PeftModel
 
-    reference, _ = ddp_run(os.path.join(folder, "ddp"), lora(tiny_llama()))
+    reference_model = lora(tiny_llama())
+    reference_counts = reference_model.get_nb_trainable_parameters()
+    reference, _ = ddp_run(os.path.join(folder, "ddp"), reference_model)
     trainer = groupshard_trainer(os.path.join(folder, "gs"), lora(tiny_llama()))
     trainer.train()
     mine = weights(trainer.model)
@@ -337,6 +352,7 @@ def lora_case(folder: str) -> dict[str, Any]:
         merged = unsharded.merge_and_unload()
         after = merged(input_ids=ids).logits
     return {
+        "peft_counts": [trainer.model.get_nb_trainable_parameters(), reference_counts],
         "difference": difference(mine, reference),
         "state_elements": state_elements,
         "trainable_shard_elements": trainable,

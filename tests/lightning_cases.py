@@ -78,12 +78,28 @@ class LanguageModel(L.LightningModule):
 
 
 class CastModel(LanguageModel):
-    """The reference of bf16-mixed under DDP: the same casts as gs.MixedPrecision's (the
-    blocks and the root compute with bf16 copies of the fp32 weights)."""
+    """The reference of bf16-mixed under DDP (with its autocast): the same casts as
+    gs.MixedPrecision's (the blocks and the root compute with bf16 copies of the fp32
+    weights)."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         cast = {name: p.to(torch.bfloat16) for name, p in self.model.named_parameters()}
         return torch.func.functional_call(self.model, cast, (ids,))
+
+
+class RawLoss(LanguageModel):
+    """The loss straight from the logits (no ``.float()``), its dtype kept: autocast makes
+    it fp32 under bf16-mixed, as a user's logged loss is under DDP."""
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        ids, targets = batch
+        loss = F.cross_entropy(self(ids).flatten(0, 1), targets.flatten())
+        self.loss_dtype = str(loss.dtype)
+        return loss
+
+
+class CastRawLoss(CastModel, RawLoss):
+    pass
 
 
 class LoraModel(L.LightningModule):
@@ -251,11 +267,11 @@ def resume_case(folder: str) -> dict[str, Any]:
 
 
 def bf16_case(folder: str) -> dict[str, Any]:
-    """precision='bf16-mixed' shards with gs.MixedPrecision and equals DDP computing with
-    the same bf16 casts."""
-    reference = CastModel()
-    trainer(folder, "ddp").fit(reference, loader())
-    module = LanguageModel()
+    """precision='bf16-mixed' shards with gs.MixedPrecision under Lightning's autocast and
+    equals DDP (autocast too) computing with the same bf16 casts; the loss is fp32 in both."""
+    reference = CastRawLoss()
+    trainer(folder, "ddp", precision="bf16-mixed").fit(reference, loader())
+    module = RawLoss()
     sharded = trainer(folder, GroupShardStrategy(unit=Block), precision="bf16-mixed")
     sharded.fit(module, loader())
     fp32 = LanguageModel()
@@ -271,6 +287,7 @@ def bf16_case(folder: str) -> dict[str, Any]:
         "shard_dtypes": sorted({str(p.dtype) for p in module.parameters()}),
         "difference": difference(weights(module), weights(reference)),
         "difference_to_fp32": difference(weights(module), weights(fp32)),
+        "loss_dtypes": [module.loss_dtype, reference.loss_dtype],
     }
 
 

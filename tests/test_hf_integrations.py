@@ -46,6 +46,10 @@ def test_trainer_equals_trainer_with_ddp_and_saves_for_from_pretrained(results):
     assert eval_loss == pytest.approx(reference_eval_loss, abs=TOLERANCE)
     shape, logits_difference = result["logits"]
     assert shape == [8, 16, 64] and logits_difference < 1e-4
+    # parameter counts and FLOPs (the model card's) are the unsharded model's, as under DDP
+    for sharded, reference in result["counts"]:
+        assert sharded == reference, result["counts"]
+    assert result["architectures"] == ["LlamaForCausalLM"]  # a class transformers has
 
 
 def test_trainer_with_the_users_optimizer_and_scheduler_equals_ddp(results):
@@ -102,6 +106,8 @@ def test_trainer_writes_checkpoints_in_the_background_and_resumes_from_them(resu
 def test_trainer_with_peft_lora_equals_ddp_without_state_for_frozen_weights(results):
     result = case(results, "lora")
     assert result["difference"] < TOLERANCE
+    sharded_counts, reference_counts = result["peft_counts"]  # print_trainable_parameters'
+    assert sharded_counts == reference_counts
     assert result["lora_b_trained"] > 0  # LoRA's B starts at zero: it trained
     assert result["frozen_grads"] == []
     # optimizer state for the LoRA weights' shards only (padding included)

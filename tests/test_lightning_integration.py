@@ -84,6 +84,8 @@ def test_bf16_mixed_equals_ddp_with_the_same_casts(results):
     assert result["shard_dtypes"] == ["torch.float32"]
     assert result["difference"] < TOLERANCE
     assert result["difference_to_fp32"] > 1e-3  # it did compute in bf16
+    # Lightning's autocast computes the loss in fp32, as under DDP
+    assert result["loss_dtypes"] == ["torch.float32", "torch.float32"]
 
 
 def test_fp16_scales_with_groupshards_scaler_and_resumes_its_scale(results):

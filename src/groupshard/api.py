@@ -79,14 +79,45 @@ class ShardedModule(nn.Module):
         ``sum(p.numel() for p in model.parameters())`` gave before ``gs.shard``. After it,
         ``parameters()`` are this rank's flat shards, padding included, so that sum counts
         those (a flat layout cannot make it the model's count); no communication."""
-        tensor_parallel = self.groupshard.tensor_parallel
         return sum(
-            slot.numel if tensor_parallel is None else tensor_parallel.numel(slot.fqn, slot.numel)
+            numel
+            for numel, trainable in self._unsharded_numels().values()
+            if trainable or not trainable_only
+        )
+
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """Hugging Face's ``PreTrainedModel.num_parameters`` of the unsharded model (the
+        Trainer's FLOPs count uses it); no communication."""
+        embeddings = {
+            f"{name}.weight"
+            for name, module in self.named_modules()
+            if isinstance(module, nn.Embedding)
+        }
+        return sum(
+            numel
+            for fqn, (numel, trainable) in self._unsharded_numels().items()
+            if (trainable or not only_trainable) and not (exclude_embeddings and fqn in embeddings)
+        )
+
+    def get_nb_trainable_parameters(self) -> tuple[int, int]:
+        """peft's ``(trainable, all)`` parameter counts (``print_trainable_parameters``) of
+        the unsharded model; no communication."""
+        return self.num_unsharded_parameters(trainable_only=True), self.num_unsharded_parameters()
+
+    def _unsharded_numels(self) -> dict[str, tuple[int, bool]]:
+        """Each parameter's unsharded element count and whether it trains, by name."""
+        tensor_parallel = self.groupshard.tensor_parallel
+        return {
+            slot.fqn: (
+                slot.numel
+                if tensor_parallel is None
+                else tensor_parallel.numel(slot.fqn, slot.numel),
+                buffer.group_index >= 0,
+            )
             for storage in self.groupshard.storages
             for buffer in storage.layout.buffers
-            if buffer.group_index >= 0 or not trainable_only
             for slot in buffer.params
-        )
+        }
 
     def state_dict(  # type: ignore[override]
         self, *, destination: Any = None, prefix: str = "", keep_vars: bool = False
@@ -533,7 +564,11 @@ def shard(
     state = ShardingState(groups, plan, runtime, params, sharding, tensor_parallel)
     model.groupshard = state  # type: ignore[assignment]
     cls = model.__class__
-    model.__class__ = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {})
+    # the class keeps the user's name: Hugging Face writes it into config.json's
+    # "architectures", which tools read to pick the class that loads the model
+    model.__class__ = type(
+        cls.__name__, (ShardedModule, cls), {"__qualname__": cls.__qualname__}
+    )
     return model  # type: ignore[return-value]
 
 

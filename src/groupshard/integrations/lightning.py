@@ -13,9 +13,9 @@ What it does differently for a sharded model:
 - ``accumulate_grad_batches`` runs the micro-batches but the last inside the model's
   ``no_sync`` (no communication); clipping by norm is exact (torch's norm of the shards'
   gradients, ``gs.ShardGrad``), by value elementwise;
-- ``precision="bf16-mixed"``/``"16-mixed"`` shard with ``gs.MixedPrecision`` (the units
-  compute in bf16/fp16 and reduce in fp32; the shards stay fp32) instead of autocast, and
-  fp16 scales the loss with a ``gs.GradScaler``; ``"bf16-true"``/``"16-true"`` convert
+- ``precision="bf16-mixed"``/``"16-mixed"`` keep Lightning's autocast and shard with
+  ``gs.MixedPrecision`` (the units compute in bf16/fp16 and reduce in fp32; the shards stay
+  fp32), and fp16 scales the loss with a ``gs.GradScaler``; ``"bf16-true"``/``"16-true"`` convert
   the module before it is sharded;
 - ``trainer.save_checkpoint(path)`` (and ``ModelCheckpoint``) writes a ``gs.checkpoint``
   folder at ``path``: every rank its shards, the optimizer, and Lightning's own state (loops,
@@ -31,7 +31,7 @@ What it does differently for a sharded model:
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -68,25 +68,24 @@ HALF_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
 class GroupShardPrecision(MixedPrecision):
-    """``"bf16-mixed"``/``"16-mixed"`` for a sharded model: no autocast, the units cast
-    (``gs.MixedPrecision``); ``"16-mixed"`` scales the loss with a ``gs.GradScaler``, which
-    the strategy gives it once the model is sharded (it agrees on infs over the ranks)."""
+    """``"bf16-mixed"``/``"16-mixed"`` for a sharded model: Lightning's autocast (so a loss
+    is computed in fp32, as under DDP) over units that gather and compute in the half dtype
+    (``gs.MixedPrecision``; the shards stay fp32, as Lightning's FSDP does); ``"16-mixed"``
+    scales the loss with a ``gs.GradScaler``, which the strategy gives it once the model is
+    sharded (it agrees on infs over the ranks)."""
 
-    def __init__(self, precision: Literal["bf16-mixed", "16-mixed"]) -> None:
+    def __init__(self, precision: Literal["bf16-mixed", "16-mixed"], device: str = "cpu") -> None:
         if precision not in HALF_DTYPES:
             raise ValueError(
                 f"GroupShardPrecision takes 'bf16-mixed' or '16-mixed' but got {precision!r}"
             )
         self.precision = precision
-        self.device = "cpu"  # unused: there is no autocast
+        self.device = device  # autocast's device type
         self.scaler: GradScaler | None = None
 
     @property
     def dtype(self) -> torch.dtype:
         return HALF_DTYPES[self.precision]
-
-    def forward_context(self) -> Any:
-        return nullcontext()
 
 
 class GroupShardStrategy(DDPStrategy):
@@ -339,7 +338,7 @@ def _sharded_precision(plugin: Precision) -> Precision:
     if isinstance(plugin, GroupShardPrecision):
         return plugin
     if type(plugin) is MixedPrecision:  # Lightning's autocast for "bf16-mixed"/"16-mixed"
-        return GroupShardPrecision(plugin.precision)  # type: ignore[arg-type]
+        return GroupShardPrecision(plugin.precision, plugin.device)  # type: ignore[arg-type]
     if type(plugin) in (Precision, HalfPrecision, DoublePrecision):
         return plugin  # the module is converted before it is sharded
     raise ValueError(

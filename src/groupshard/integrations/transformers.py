@@ -103,6 +103,10 @@ class Trainer(transformers.Trainer):
         self.callback_handler.model = model
         self.callback_handler.optimizer = self.optimizer
 
+    def get_num_trainable_parameters(self) -> int:
+        """The unsharded model's trainable parameter count (not this rank's shards')."""
+        return self.model.num_unsharded_parameters(trainable_only=True)
+
     def _wrap_model(self, model: Any, training: bool = True, dataloader: Any = None) -> Any:
         return model  # never DDP, DataParallel or FSDP: the model is sharded
 
