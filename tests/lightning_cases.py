@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import groupshard as gs
 from groupshard.cli.model import GPT, Block, GPTConfig
-from groupshard.integrations.lightning import GroupShardStrategy
+from groupshard.integrations.lightning import GroupShardStrategy, to_lightning_checkpoint
 
 CONFIG = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
 SAMPLES = 24  # 3 optimizer steps an epoch at world 2, batch 2, accumulation 2
@@ -218,6 +218,24 @@ def fit_case(folder: str) -> dict[str, Any]:
     }
 
 
+def validate_first_case(folder: str) -> dict[str, Any]:
+    """trainer.validate(module) before trainer.fit(module): validate shards with one group,
+    fit then gives the shards configure_optimizers' groups; equal to the same under DDP."""
+    reference = LanguageModel()
+    ddp = trainer(folder, "ddp")
+    ddp.validate(reference, loader(), verbose=False)
+    ddp.fit(reference, loader())
+    module = LanguageModel()
+    sharded = trainer(folder, GroupShardStrategy(unit=Block))
+    sharded.validate(module, loader(), verbose=False)
+    groups_after_validate = len(module.groupshard.groups.groups)
+    sharded.fit(module, loader())
+    return {
+        "groups": [groups_after_validate, len(module.groupshard.groups.groups)],
+        "difference": difference(weights(module), weights(reference)),
+    }
+
+
 def clip_value_case(folder: str) -> dict[str, Any]:
     """gradient_clip_algorithm='value' (elementwise) equals strategy='ddp'."""
     options = {"gradient_clip_algorithm": "value", "gradient_clip_val": 0.002}
@@ -247,6 +265,15 @@ def resume_case(folder: str) -> dict[str, Any]:
     again = trainer(folder, GroupShardStrategy(unit=Block), max_epochs=2)
     again.fit(resumed, loader(True), ckpt_path=path)
 
+    # the folder as one Lightning .ckpt: load_from_checkpoint, and DDP resumes from it
+    converted = os.path.join(folder, "converted.ckpt")
+    if dist.get_rank() == 0:
+        to_lightning_checkpoint(path, converted)
+    dist.barrier()
+    loaded = LanguageModel.load_from_checkpoint(converted, seed=5)
+    from_converted = LanguageModel(seed=5)
+    trainer(folder, "ddp", max_epochs=2).fit(from_converted, loader(True), ckpt_path=converted)
+
     ddp_whole = LanguageModel()
     trainer(folder, "ddp", max_epochs=2).fit(ddp_whole, loader(True))
     ddp_first = trainer(folder, "ddp", max_epochs=1)
@@ -262,6 +289,8 @@ def resume_case(folder: str) -> dict[str, Any]:
         "steps": [again.global_step, again.lr_scheduler_configs[0].scheduler.last_epoch],
         "files": sorted(os.listdir(path)),
         "from_ddp_difference": difference(weights(from_ddp), weights(ddp_whole)),
+        "load_from_checkpoint": difference(weights(loaded), weights(first.lightning_module)),
+        "ddp_from_converted": difference(weights(from_converted), weights(whole)),
         "sharded_vs_ddp": difference(weights(whole), weights(ddp_whole)),
     }
 
@@ -412,6 +441,7 @@ def async_checkpoint_case(folder: str) -> dict[str, Any]:
 CASES = {
     "fit": fit_case,
     "clip_value": clip_value_case,
+    "validate_first": validate_first_case,
     "resume": resume_case,
     "bf16": bf16_case,
     "fp16": fp16_case,

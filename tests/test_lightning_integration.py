@@ -50,6 +50,12 @@ def test_unchanged_module_equals_ddp_with_accumulation_and_clipping(results):
     assert result["keys_equal"]  # state_dict(): the full weights under the original keys
 
 
+def test_validate_before_fit_then_fit_equals_ddp(results):
+    result = case(results, "validate_first")
+    assert result["groups"] == [1, 2]  # validate's one group, then configure_optimizers' two
+    assert result["difference"] < TOLERANCE
+
+
 def test_clipping_by_value_equals_ddp(results):
     result = case(results, "clip_value")
     assert result["difference"] < TOLERANCE
@@ -63,6 +69,10 @@ def test_resume_from_save_checkpoint_equals_the_whole_run(results):
     assert "groupshard.json" in result["files"] and ".metadata" in result["files"]
     # DDP's own .ckpt file continues under GroupShardStrategy (model and AdamW state)
     assert result["from_ddp_difference"] < TOLERANCE
+    # to_lightning_checkpoint: a real Lightning .ckpt, which load_from_checkpoint reads and
+    # from which a DDP fit resumes
+    assert result["load_from_checkpoint"] == 0.0
+    assert result["ddp_from_converted"] < TOLERANCE
     assert result["sharded_vs_ddp"] < TOLERANCE
 
 

@@ -119,6 +119,10 @@ class ShardedModule(nn.Module):
             for slot in buffer.params
         }
 
+    @comm.named_call(
+        "model.state_dict() (also called by save_pretrained, torch.save(model.state_dict()) "
+        "and accelerate's get_state_dict)"
+    )
     def state_dict(  # type: ignore[override]
         self, *, destination: Any = None, prefix: str = "", keep_vars: bool = False
     ) -> dict[str, Any]:
@@ -135,6 +139,7 @@ class ShardedModule(nn.Module):
             destination[prefix + name] = value
         return destination
 
+    @comm.named_call("model.load_state_dict()")
     def load_state_dict(  # type: ignore[override]
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
@@ -230,7 +235,7 @@ class ShardedModule(nn.Module):
         snapshots = [
             s.local.clone() if s.replicated and not writeback else None for s in state.storages
         ]
-        with torch.no_grad():
+        with torch.no_grad(), comm.collective_call("model.summon_full_params()"):
             masters = [storage.gather_masters() for storage in state.storages]
             views = {
                 fqn: view
@@ -566,10 +571,29 @@ def shard(
     cls = model.__class__
     # the class keeps the user's name: Hugging Face writes it into config.json's
     # "architectures", which tools read to pick the class that loads the model
+    refused = {name: _refusal(name) for name in RESTRUCTURING_METHODS if hasattr(model, name)}
     model.__class__ = type(
-        cls.__name__, (ShardedModule, cls), {"__qualname__": cls.__qualname__}
+        cls.__name__, (ShardedModule, cls), {"__qualname__": cls.__qualname__, **refused}
     )
     return model  # type: ignore[return-value]
+
+
+RESTRUCTURING_METHODS = ("merge_and_unload", "unload", "merge_adapter", "unmerge_adapter")
+"""peft's methods that replace or rewrite the modules whose parameters are sharded: on a
+sharded model they are refused (``_refusal``), naming what works instead."""
+
+
+def _refusal(name: str) -> Callable[..., Any]:
+    def refused(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(
+            f"{name}() rewrites the modules of a model whose parameters gs.shard has "
+            f"sharded, which it cannot do on the shards. Load gs.full_state_dict(model) (on "
+            f"every rank) into an unsharded copy of the model (model.load_state_dict) and "
+            f"call {name}() there."
+        )
+
+    refused.__name__ = name
+    return refused
 
 
 def _shard_units(

@@ -17,6 +17,7 @@ keeps them referenced until the wait.
 from __future__ import annotations
 
 import atexit
+import contextvars
 import datetime
 import functools
 import hashlib
@@ -24,7 +25,8 @@ import os
 import pickle
 import sys
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,21 +47,83 @@ all_gather_into_tensor and reduce_scatter_tensor: benchmarks/README.md); tests t
 to run the native collectives NCCL uses."""
 
 
+WAIT_NOTICE_S = float(os.environ.get("GROUPSHARD_WAIT_NOTICE_S", "30"))
+"""A rank that has waited this long for the other ranks in one of our collectives (gloo,
+where the host waits) says on stderr which call it is in and that every rank must make it,
+then waits on until the process group's timeout: a collective called on some ranks only
+(``model.state_dict()`` or ``generate`` under ``if rank == 0``) would otherwise hang
+silently for the whole timeout (30 minutes by default)."""
+
+_call: contextvars.ContextVar[str | None] = contextvars.ContextVar("groupshard_call", default=None)
+
+
+@contextmanager
+def collective_call(name: str) -> Iterator[None]:
+    """Name the public call (``"model.state_dict()"``) whose collectives run inside, for
+    the notice of a rank left waiting in them; the outermost name is kept."""
+    token = _call.set(_call.get() or name)
+    try:
+        yield
+    finally:
+        _call.reset(token)
+
+
+def named_call(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A decorator: the function's collectives run inside ``collective_call(name)``."""
+
+    def decorate(function: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(function)
+        def named(*args: Any, **kwargs: Any) -> Any:
+            with collective_call(name):
+                return function(*args, **kwargs)
+
+        return named
+
+    return decorate
+
+
+def _wait_noticed(work: Any, ranks: Ranks) -> None:
+    """``work.wait()``; after ``WAIT_NOTICE_S`` seconds the notice, once, then on."""
+    try:
+        work.wait(datetime.timedelta(seconds=WAIT_NOTICE_S))
+        return
+    except RuntimeError as error:
+        if "timed out" not in str(error).lower():
+            raise
+    call = _call.get() or (
+        "a collective of the sharded model (its forward: model(...) or generate(); its "
+        "backward; the optimizer's step)"
+    )
+    print(
+        f"groupshard: rank {ranks.rank} of {ranks.size} has waited {WAIT_NOTICE_S:g} s for "
+        f"the other ranks in {call}. Every rank must make this call: under `if rank == 0:` "
+        "alone it hangs. Waiting on until the process group's timeout.",
+        file=sys.stderr,
+        flush=True,
+    )
+    work.wait()
+
+
 @dataclass(eq=False)  # compared by identity: _in_flight holds them
 class Pending:
     """A started collective: ``wait()`` blocks until it is done, then runs ``finish``
-    (copy out, scale). Waiting twice is harmless."""
+    (copy out, scale). Waiting twice is harmless. ``ranks``: where the host itself waits
+    (gloo), the group, for the notice of a long wait (``WAIT_NOTICE_S``)."""
 
     works: list[Any] = field(default_factory=list)
     finish: Callable[[], None] | None = None
     keep: Sequence[torch.Tensor] = ()  # tensors the collective reads or writes
     done: bool = False
+    ranks: Ranks | None = None
 
     def wait(self) -> None:
         if self.done:
             return
         for work in self.works:
-            work.wait()
+            if self.ranks is not None:
+                _wait_noticed(work, self.ranks)
+            else:
+                work.wait()
         self.done = True
         _in_flight.discard(self)
         if self.finish is not None:
@@ -72,8 +136,12 @@ def _started(
     finish: Callable[[], None] | None,
     keep: Sequence[torch.Tensor],
     async_op: bool,
+    ranks: Ranks | None = None,
 ) -> Pending:
-    pending = Pending([w for w in works if w is not None], finish, keep)
+    """``works`` (every collective is started asynchronously) as a ``Pending``, waited for
+    here unless ``async_op``."""
+    noticed = ranks if ranks is not None and ranks.is_gloo else None  # NCCL: the host goes on
+    pending = Pending([w for w in works if w is not None], finish, keep, ranks=noticed)
     if async_op:
         _in_flight.add(pending)
     else:
@@ -257,13 +325,13 @@ def all_gather(
                 chunk,
                 src=dist.get_global_rank(ranks.group, rank),
                 group=ranks.group,
-                async_op=async_op,
+                async_op=True,
             )
             for rank, chunk in enumerate(chunks)
         ]
-        return _started(works, finish, (output, shard), async_op)
-    work = _all_gather_single(output, shard, group=ranks.group, async_op=async_op)
-    return _started([work], finish, (output, shard), async_op)
+        return _started(works, finish, (output, shard), async_op, ranks)
+    work = _all_gather_single(output, shard, group=ranks.group, async_op=True)
+    return _started([work], finish, (output, shard), async_op, ranks)
 
 
 def reduce_scatter_mean(
@@ -295,12 +363,12 @@ def reduce_scatter_mean(
         output.copy_(flat)
         return _started([], finish, (), async_op=False)
     if _emulated(ranks):
-        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=ranks.group, async_op=async_op)
+        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=ranks.group, async_op=True)
     else:
         work = _reduce_scatter_single(
-            output, flat, op=dist.ReduceOp.SUM, group=ranks.group, async_op=async_op
+            output, flat, op=dist.ReduceOp.SUM, group=ranks.group, async_op=True
         )
-    return _started([work], average, (output, flat), async_op)
+    return _started([work], average, (output, flat), async_op, ranks)
 
 
 def all_reduce_mean(
@@ -319,15 +387,16 @@ def all_reduce_mean(
 
     if ranks.is_local:
         return _started([], finish, (), async_op=False)
-    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=ranks.group, async_op=async_op)
-    return _started([work], average, (tensor,), async_op)
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=ranks.group, async_op=True)
+    return _started([work], average, (tensor,), async_op, ranks)
 
 
 def all_reduce_sum(tensor: torch.Tensor, ranks: Ranks) -> None:
     """Sum ``tensor`` over ranks in place."""
     if ranks.is_local:
         return
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=ranks.group)
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=ranks.group, async_op=True)
+    _started([work], None, (tensor,), False, ranks)
 
 
 def all_reduce_max(
@@ -340,15 +409,17 @@ def all_reduce_max(
     wait when ``async_op``)."""
     if ranks.is_local:
         return _started([], finish, (), async_op=False)
-    work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=ranks.group, async_op=async_op)
-    return _started([work], finish, (tensor,), async_op)
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=ranks.group, async_op=True)
+    return _started([work], finish, (tensor,), async_op, ranks)
 
 
 def broadcast(tensor: torch.Tensor, ranks: Ranks, src_rank: int = 0) -> None:
     """Overwrite ``tensor`` with group rank ``src_rank``'s copy."""
     if ranks.is_local:
         return
-    dist.broadcast(tensor, src=dist.get_global_rank(ranks.group, src_rank), group=ranks.group)
+    source = dist.get_global_rank(ranks.group, src_rank)
+    work = dist.broadcast(tensor, src=source, group=ranks.group, async_op=True)
+    _started([work], None, (tensor,), False, ranks)
 
 
 def broadcast_object(value: Any, ranks: Ranks, src_rank: int = 0) -> Any:
@@ -480,6 +551,6 @@ def all_to_all(
         output_split_sizes=list(output_splits),
         input_split_sizes=list(input_splits),
         group=ranks.group,
-        async_op=async_op,
+        async_op=True,
     )
-    return _started([work], finish, (output, source), async_op)
+    return _started([work], finish, (output, source), async_op, ranks)

@@ -24,6 +24,7 @@ from groupshard.tensor_parallel import TensorParallelism, whole_dims, whole_tens
 from groupshard.writes import note_parameters_written
 
 
+@comm.named_call("gs.full_state_dict()")
 def full_state_dict(
     model: nn.Module, rank0_only: bool = False, cpu_offload: bool = False
 ) -> dict[str, torch.Tensor]:
@@ -115,6 +116,7 @@ def _check_model_state_dict(
 
 
 @torch.no_grad()
+@comm.named_call("gs.load_full_state_dict()")
 def load_full_state_dict(
     model: nn.Module,
     source: Mapping[str, torch.Tensor] | str | os.PathLike,

@@ -42,6 +42,12 @@ def to_torch_save(path: str | os.PathLike, output: str | os.PathLike) -> None:
     (if saved), "extra": ...}`` and loads with ``torch.load(output, weights_only=True)``.
     Reads the checkpoint as safely as ``load`` does, with the same errors.
     """
+    torch.save(read_unsharded(path), output)
+
+
+def read_unsharded(path: str | os.PathLike) -> dict[str, Any]:
+    """What ``to_torch_save`` writes, read in this process: the unsharded model, the
+    plain optimizer state (if saved) and the extras."""
     folder, meta = folders.newest(Path(path))
     if meta is None:
         raise CheckpointError(
@@ -66,7 +72,7 @@ def to_torch_save(path: str | os.PathLike, output: str | os.PathLike) -> None:
         **{k: codec.decode(v) for k, v in meta["extra"].items()},
         **{name: values[EXTRA + name] for name in meta["extra_tensors"]},
     }
-    torch.save(result, output)
+    return result
 
 
 def upgrade(path: str | os.PathLike, output: str | os.PathLike) -> None:

@@ -30,6 +30,7 @@ What it does differently for a sharded model:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -52,13 +53,16 @@ from lightning.pytorch.trainer.states import TrainerFn
 from groupshard import checkpoint as gs_checkpoint
 from groupshard.api import ShardedModule, shard
 from groupshard.checkpoint import codec
+from groupshard.checkpoint.conversion import read_unsharded
 from groupshard.full_state import load_optim_state_dict
+from groupshard.groups import resolve_groups
 from groupshard.integrations.common import (
     CheckpointWrites,
     check_shard_options,
     half_precision,
     point_at_shards,
 )
+from groupshard.regroup import regroup
 from groupshard.scaler import GradScaler
 
 LIGHTNING_STATE = "lightning"
@@ -177,10 +181,13 @@ class GroupShardStrategy(DDPStrategy):
         module = self.lightning_module
         assert module is not None
         if isinstance(module, ShardedModule):
-            # sharded by an earlier fit: its optimizer is built on the original parameters
-            # again (gathered for the moment), in groups that must match the shards'
+            # sharded by an earlier fit, validate, test or predict: its optimizer is built
+            # on the original parameters again (gathered for the moment)
             with module.summon_full_params():
                 optimizers, schedulers = _init_optimizers_and_lr_schedulers(module)
+                for optimizer in optimizers[:1]:  # its groups cover what trains, as for shard
+                    if optimizer.param_groups:
+                        resolve_groups(module, optimizer.param_groups)
         else:
             optimizers, schedulers = _init_optimizers_and_lr_schedulers(module)
         if len(optimizers) != 1:
@@ -193,6 +200,11 @@ class GroupShardStrategy(DDPStrategy):
         groups = optimizer.param_groups if optimizer.param_groups else None  # Lightning's mock
         if not isinstance(module, ShardedModule):
             shard(module, groups, **self._options())
+        elif groups is not None:
+            # sharded by validate/test/predict with one group, or by an earlier fit: the
+            # shards take this optimizer's groups (units whose layout stays are untouched)
+            shards_optimizer = torch.optim.SGD(module.optimizer_groups(), lr=0.0)
+            regroup(module, shards_optimizer, [dict(group) for group in groups])
         if groups is not None:
             point_at_shards(
                 optimizer,
@@ -331,6 +343,26 @@ class GroupShardStrategy(DDPStrategy):
         self.precision_plugin.teardown()
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
+
+
+def to_lightning_checkpoint(path: str | os.PathLike, output: str | os.PathLike) -> None:
+    """A folder ``GroupShardStrategy`` wrote (``trainer.save_checkpoint``,
+    ``ModelCheckpoint``) as one Lightning ``.ckpt`` file, offline in one process:
+    ``MyModule.load_from_checkpoint(output)`` loads it, and a Trainer with one process or
+    DDP resumes from it (``fit(ckpt_path=output)``: the unsharded weights, the optimizer's
+    state numbered as ``Optimizer.state_dict()`` does, Lightning's own state). Reads the
+    folder as safely as ``gs.checkpoint.load``; loads with ``torch.load(weights_only=True)``.
+    """
+    converted = read_unsharded(path)
+    if LIGHTNING_STATE not in converted["extra"]:
+        raise ValueError(
+            f"{path} holds no Lightning state: it was not written by a Lightning Trainer "
+            "with GroupShardStrategy (gs.checkpoint.to_torch_save converts any folder)."
+        )
+    checkpoint = {**converted["extra"][LIGHTNING_STATE], "state_dict": converted["model"]}
+    if "optim" in converted:
+        checkpoint["optimizer_states"] = [converted["optim"]]
+    torch.save(checkpoint, output)
 
 
 def _sharded_precision(plugin: Precision) -> Precision:
