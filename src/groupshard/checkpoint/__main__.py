@@ -1,7 +1,5 @@
 """``python -m groupshard.checkpoint convert CHECKPOINT OUTPUT.pt``: a sharded checkpoint
 to one plain ``torch.save`` file (model state dict, plain optimizer state, extras).
-``python -m groupshard.checkpoint convert CHECKPOINT OUTPUT.ckpt``: a folder Lightning's
-``GroupShardStrategy`` wrote to one Lightning ``.ckpt`` file (``load_from_checkpoint``).
 ``python -m groupshard.checkpoint convert OLD_CHECKPOINT NEW_FOLDER``: a checkpoint of
 groupshard's first layout (every tensor 1-D) rewritten in today's (torch's names and
 shapes), which FSDP2, DDP and torch's ``dcp.load`` read too.
@@ -22,9 +20,8 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     convert = commands.add_parser(
         "convert",
-        help="write one plain torch.save file (OUTPUT ends in .pt), one Lightning "
-        "checkpoint (.ckpt), or rewrite a checkpoint of groupshard's first layout in "
-        "today's (OUTPUT a new folder)",
+        help="write one plain torch.save file (OUTPUT ends in .pt), or rewrite a "
+        "checkpoint of groupshard's first layout in today's (OUTPUT a new folder)",
     )
     convert.add_argument("checkpoint", help="the directory written by gs.checkpoint.save")
     convert.add_argument("output", help="the .pt file, or the folder, to write")
@@ -32,10 +29,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.output.endswith(".pt"):
             to_torch_save(args.checkpoint, args.output)
-        elif args.output.endswith(".ckpt"):
-            from groupshard.integrations.lightning import to_lightning_checkpoint
-
-            to_lightning_checkpoint(args.checkpoint, args.output)
         else:
             upgrade(args.checkpoint, args.output)
     except (OSError, ValueError) as error:  # CheckpointError is a ValueError
