@@ -391,6 +391,18 @@ def refusals_case(folder: str) -> dict[str, Any]:
         two.fit(TwoOptimizers(), loader())
     except ValueError as error:
         messages["two_optimizers"] = str(error)
+    # a weight read under `if trainer.is_global_zero:` after fit: its shape is the whole
+    # weight's, and a computation on this rank's piece of it raises, naming it
+    module = LanguageModel()
+    fitted = trainer(folder, GroupShardStrategy(unit=Block))
+    fitted.fit(module, loader())
+    if fitted.is_global_zero:
+        weight = module.model.blocks[0].fc.weight
+        messages["weight_shape"] = list(weight.shape)
+        try:
+            messages["weight_norm"] = weight.norm().item()
+        except ValueError as error:
+            messages["weight_norm"] = str(error)
     return messages
 
 

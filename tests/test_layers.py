@@ -11,7 +11,10 @@ LAYERS = {
     "pure": ["layout", "groups", "units", "options", "precision", "writes", "schedulers"],
     "communication": ["early_imports", "comm", "mesh"],
     "storage": ["tensor_parallel", "segments", "flatten", "gradients", "storage"],
-    "runtime": ["unit_runtime", "gathers", "buckets", "end_of_backward", "guards", "runtime"],
+    "runtime": [
+        "piece_params", "unit_runtime", "gathers", "buckets", "end_of_backward", "guards",
+        "runtime",
+    ],
     "model": ["sharding", "materialize", "norms", "scaler", "safetensors_io", "full_state"],
     "front-ends": ["api", "regroup", "optim", "zero", "checkpoint", "torch_hook"],
     "integrations": ["integrations"],

@@ -120,6 +120,14 @@ def test_two_optimizers_are_refused(results):
     assert "2 optimizers" in message and "param groups of one optimizer" in message
 
 
+def test_a_weight_read_on_rank_zero_alone_is_whole_or_refused(results):
+    result = case(results, "refusals")
+    assert result["weight_shape"] == [64, 16]  # the whole weight's, not rank 0's piece
+    message = result["weight_norm"]  # a value from the piece would be a slice's: refused
+    assert message.startswith("'model.blocks.0.fc.weight' belongs to a model sharded by gs.shard")
+    assert "summon_full_params" in message and "gs.full_state_dict(model)" in message
+
+
 def test_options_and_plugins_that_cannot_apply_raise():
     from lightning.pytorch.plugins.precision import FSDPPrecision
 

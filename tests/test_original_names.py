@@ -1,5 +1,7 @@
-"""A sharded model still looks like the user's model: every original name resolves to
-this rank's live piece outside forward, the model prints, and ``state_dict()`` /
+"""A sharded model still looks like the user's model: every original name resolves to the
+user's parameter holding this rank's live piece outside forward (its shape the whole
+parameter's; a computation on a piece raises, naming it), the model prints, and
+``state_dict()`` /
 ``load_state_dict()`` (and torch.distributed.checkpoint.state_dict's functions) speak
 the unsharded model's names and shapes."""
 
@@ -61,6 +63,7 @@ def names_case(rank: int, world_size: int, strategy: str) -> dict[str, object]:
     optimizer = torch.optim.AdamW(sharded.optimizer_groups(), lr=3e-3)
     printed = [repr(sharded)]
     worst = 0.0
+    whole_shapes, refused = True, True
     for inputs, targets in global_batches(3, world_size):
         local = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
         sharded(inputs[local], targets[local]).backward()
@@ -69,14 +72,29 @@ def names_case(rank: int, world_size: int, strategy: str) -> dict[str, object]:
         printed.append(repr(sharded))
         full = gs.full_state_dict(sharded)
         for name, expected in _expected_pieces(sharded, full).items():
-            got = _resolve(sharded, name) + 0  # arithmetic on it: never freed, never stale
+            param = _resolve(sharded, name)
+            got = param.data + 0  # its data is the piece: never freed, never stale
             worst = max(worst, (got - expected).abs().max().item() if got.numel() else 0.0)
+            # the parameter itself answers for the whole: its shape; a computation on a
+            # piece that is not the whole parameter raises, naming it
+            whole_shapes &= param.shape == full[name].shape and param.numel() == full[name].numel()
+            if expected.shape == full[name].shape:
+                refused &= torch.equal(param + 0, full[name])  # whole: a plain parameter
+                continue
+            try:
+                param + 0
+                refused = False
+            except ValueError as error:  # naming it (a tied parameter: by one of its names)
+                named, _, rest = str(error).partition(" belongs to a model sharded by gs.shard")
+                refused &= bool(rest) and _resolve(sharded, named.strip("'")) is param
     # tied name (lm_head.weight) resolves too, to the same object as wte.weight
     tied = sharded.lm_head.weight is sharded.wte.weight
     keys = list(sharded.state_dict())
     return {
         "printed": all("Linear(" in text for text in printed),
         "worst": worst,
+        "whole_shapes": whole_shapes,
+        "refused": refused,
         "keys": keys == reference_keys,
         "tied": tied,
     }
@@ -88,7 +106,10 @@ def names_case(rank: int, world_size: int, strategy: str) -> dict[str, object]:
 )
 def test_names_resolve_to_live_pieces(run_ranks, world_size, strategy):
     for result in run_ranks(world_size, names_case, strategy):
-        assert result == {"printed": True, "worst": 0.0, "keys": True, "tied": True}, result
+        assert result == {
+            "printed": True, "worst": 0.0, "whole_shapes": True, "refused": True, "keys": True,
+            "tied": True,
+        }, result  # fmt: skip
 
 
 def test_prints_before_the_first_forward():

@@ -24,6 +24,7 @@ import hashlib
 import os
 import pickle
 import sys
+import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -84,11 +85,13 @@ def named_call(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
 
 def _wait_noticed(work: Any, ranks: Ranks) -> None:
     """``work.wait()``; after ``WAIT_NOTICE_S`` seconds the notice, once, then on."""
+    started = time.monotonic()
     try:
         work.wait(datetime.timedelta(seconds=WAIT_NOTICE_S))
         return
     except RuntimeError as error:
-        if "timed out" not in str(error).lower():
+        # the collective itself failed (a peer gone, the group's own timeout): not our wait
+        if "timed out" not in str(error).lower() or time.monotonic() - started < WAIT_NOTICE_S:
             raise
     call = _call.get() or (
         "a collective of the sharded model (its forward: model(...) or generate(); its "

@@ -37,6 +37,7 @@ from groupshard.gradients import was_stepped
 from groupshard.groups import ParamGroups, ResolvedGroup, ResolvedGroups, list_group_members
 from groupshard.layout import FlatBufferLayout, StorageLayout
 from groupshard.optim.whole import WholeParamOptimizer
+from groupshard.piece_params import release_piece
 from groupshard.runtime import TrainingState
 from groupshard.schedulers import SchedulerPlan, is_scheduled, match_groups, plan_schedulers
 from groupshard.sharding import ShardingState, register_shards, shard_attr_name, sharding_state
@@ -423,6 +424,7 @@ def _rebuild_storage(
     originals = state.original_params
     gathered = old.gather_params()
     for fqn, full in gathered.items():
+        release_piece(originals[fqn])
         originals[fqn].data = full  # what the new storage copies its slices from
     _free_old_shards(old, gathered.values())
     new = FlatStorage(

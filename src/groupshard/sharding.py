@@ -17,6 +17,7 @@ from groupshard import comm
 from groupshard.groups import ResolvedGroups
 from groupshard.layout import FROZEN_GROUP
 from groupshard.mesh import MeshRanks
+from groupshard.piece_params import release_piece
 from groupshard.runtime import ShardedRuntime
 from groupshard.storage import FlatStorage
 from groupshard.tensor_parallel import TensorParallelism, refuse_under_tensor_parallelism
@@ -111,6 +112,7 @@ def swap_in_originals(state: ShardingState, data: Mapping[str, torch.Tensor]) ->
                 ]
         for fqn, places in unit.places.items():
             original = state.original_params[fqn]
+            release_piece(original)
             original.data = data[fqn]
             for module, attr in places:
                 module.__dict__.pop(attr, None)

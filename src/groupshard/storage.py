@@ -214,6 +214,15 @@ class FlatStorage:
         return pieces
 
     @cached_property
+    def whole_shapes(self) -> dict[str, torch.Size]:
+        """Each parameter's whole shape, by FQN: a DTensor parameter's global one."""
+        return {
+            slot.fqn: self._tp_params[slot.fqn].shape if slot.fqn in self._tp_params else slot.shape
+            for buffer in self.layout.buffers
+            for slot in buffer.params
+        }
+
+    @cached_property
     def trainable_shards(self) -> list[nn.Parameter]:
         return [
             s for s, b in zip(self.shards, self.layout.buffers, strict=True) if b.group_index >= 0

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from groupshard.gradients import ORIGINAL_ATTR
+from groupshard.piece_params import hold_piece
 from groupshard.precision import MixedPrecision
 from groupshard.storage import FlatStorage
 
@@ -76,11 +77,12 @@ class UnitRuntime:
     def install_local_pieces(self) -> None:
         """Point every registration of the unit's parameters at the user's parameter
         object holding this rank's piece (``FlatStorage.local_pieces``), as FSDP1's
-        ``use_orig_params``: outside forward, ``module.weight`` is never stale."""
+        ``use_orig_params``: outside forward, ``module.weight`` is never stale; a piece that
+        is not the whole parameter refuses to be computed on (``piece_params``)."""
         for storage in self.storages:
             for fqn, piece in storage.local_pieces.items():
                 original = self.originals[fqn]
-                original.data = piece
+                hold_piece(original, fqn, piece, storage.whole_shapes[fqn])
                 for module, attr in self.places[fqn]:
                     module.__dict__[attr] = original
 
