@@ -10,17 +10,12 @@ under GroupShardStrategy and under Fabric's strategy="ddp".
 
 from __future__ import annotations
 
-import json
 import os
-import sys
-import traceback
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import lightning as L
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.fabric.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader, TensorDataset
@@ -28,6 +23,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import groupshard as gs
 from groupshard.cli.model import GPT, Block, GPTConfig
 from groupshard.integrations.fabric import GroupShardStrategy
+
+from helpers import max_difference, run_cases, weights
 
 CONFIG = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
 SAMPLES = 32  # 4 optimizer steps at world 2, batch 2, accumulation 2
@@ -101,13 +98,6 @@ def set_up(fabric: L.Fabric, model: torch.nn.Module) -> tuple[Any, Any, Any]:
     return model, optimizer, scheduler
 
 
-def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: value.detach().clone() for name, value in model.state_dict().items()}
-
-
-def difference(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> float:
-    assert first.keys() == second.keys(), sorted(set(first) ^ set(second))
-    return max((first[k].float() - second[k].float()).abs().max().item() for k in first)
 
 
 def fit_case(folder: str) -> dict[str, Any]:
@@ -148,11 +138,11 @@ def fit_case(folder: str) -> dict[str, Any]:
         "sharded": sharded,
         "groups": groups,
         "losses": [losses, reference_losses, resumed_losses],
-        "difference": difference(whole, weights(reference)),
-        "resumed": difference(weights(resumed), whole),
+        "difference": max_difference(whole, weights(reference)),
+        "resumed": max_difference(weights(resumed), whole),
         "remainder": sorted(remainder),
         "files": sorted(os.listdir(path)),
-        "from_ddp": difference(weights(from_ddp), weights(reference)),
+        "from_ddp": max_difference(weights(from_ddp), weights(reference)),
         "keys_equal": list(whole) == list(weights(reference)),
     }
 
@@ -181,7 +171,7 @@ def world_one_case(folder: str) -> dict[str, Any]:
         optimizer.zero_grad()
         scheduler.step()
     whole = torch.load(os.path.join(folder, "..", "fit", "whole.pt"), weights_only=True)
-    return {"difference": difference(weights(model), whole)}
+    return {"difference": max_difference(weights(model), whole)}
 
 
 def setup_module_case(folder: str) -> dict[str, Any]:
@@ -204,7 +194,7 @@ def setup_module_case(folder: str) -> dict[str, Any]:
         refused = ""
     except ValueError as error:
         refused = str(error)
-    return {"difference": difference(results["sharded"], results["ddp"]), "refused": refused}
+    return {"difference": max_difference(results["sharded"], results["ddp"]), "refused": refused}
 
 
 class CastGPT(torch.nn.Module):
@@ -256,8 +246,8 @@ def precision_case(folder: str) -> dict[str, Any]:
             "shard_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
             "logits_dtype": str(logits.dtype),
             "losses": [losses, reference_losses],
-            "difference": difference(weights(model), cast_weights(reference)),
-            "difference_to_fp32": difference(weights(model), weights(plain)),
+            "difference": max_difference(weights(model), cast_weights(reference)),
+            "difference_to_fp32": max_difference(weights(model), weights(plain)),
             "scaler": None if scaler is None else type(scaler).__name__,
         }
     return results
@@ -276,7 +266,7 @@ def empty_init_case(folder: str) -> dict[str, Any]:
     on_meta = all(p.is_meta for p in empty.parameters())
     empty, optimizer = fabric.setup(empty, grouped_optimizer(empty))
     fabric.load(path, {"model": empty, "optimizer": optimizer})
-    return {"on_meta": on_meta, "difference": difference(weights(empty), weights(model))}
+    return {"on_meta": on_meta, "difference": max_difference(weights(empty), weights(model))}
 
 
 def refusals_case(folder: str) -> dict[str, Any]:
@@ -328,24 +318,5 @@ CASES = {
 }
 
 
-def main() -> None:
-    folder, names = sys.argv[1], sys.argv[2:] or [name for name in CASES if name != "world_one"]
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", ".*does not have many workers.*")
-    results: dict[str, Any] = {}
-    for name in names:  # one launch for all: each torchrun start costs seconds
-        os.makedirs(os.path.join(folder, name), exist_ok=True)
-        try:
-            results[name] = {"result": CASES[name](os.path.join(folder, name))}
-        except Exception:  # the other cases still run; the test shows this traceback
-            results[name] = {"error": traceback.format_exc()}
-    if int(os.environ.get("RANK", "0")) == 0:
-        with open(os.path.join(folder, f"result-{'-'.join(names)}.json"), "w") as file:
-            json.dump(results, file)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    run_cases(CASES, [name for name in CASES if name != "world_one"])

@@ -120,6 +120,42 @@ def numbered(state_dict: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of ``model``'s state dict (on a sharded model: the full one, a collective)."""
+    return {name: value.detach().clone() for name, value in model.state_dict().items()}
+
+
+def run_cases(cases: dict[str, Callable[[str], Any]], default: list[str] | None = None) -> None:
+    """The entry point of a ``*_cases.py`` script run under torchrun: ``script FOLDER
+    [CASE...]`` runs the named cases (``default``, else all, when none is named) in this one
+    launch (each torchrun start costs seconds), each in its own subfolder of FOLDER; rank 0
+    writes each case's result, or its traceback, to FOLDER/result.json (with case names
+    given: FOLDER/result-<names>.json). A case that raises leaves the others to run."""
+    import traceback
+    import warnings
+
+    import torch.distributed as dist
+
+    folder, named = sys.argv[1], sys.argv[2:]
+    names = named or default or list(cases)
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    results: dict[str, Any] = {}
+    for name in names:
+        os.makedirs(os.path.join(folder, name), exist_ok=True)
+        try:
+            results[name] = {"result": cases[name](os.path.join(folder, name))}
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+    if int(os.environ.get("RANK", "0")) == 0:
+        result_file = f"result-{'-'.join(named)}.json" if named else "result.json"
+        with open(os.path.join(folder, result_file), "w") as file:
+            json.dump(results, file)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def max_difference(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> float:
     assert sorted(first) == sorted(second), (sorted(first), sorted(second))
     return max((first[k].double() - second[k].double()).abs().max().item() for k in first)

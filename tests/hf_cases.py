@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-import traceback
 from typing import Any
 
 import torch
@@ -20,6 +18,8 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 
 import groupshard as gs
+
+from helpers import max_difference, run_cases, weights
 
 STEPS = 4
 ACCUMULATION = 2
@@ -92,17 +92,6 @@ def decoder_layer() -> type:
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     return LlamaDecoderLayer
-
-
-def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    if isinstance(model, gs.ShardedModule):
-        return gs.full_state_dict(model)
-    return {name: value.detach().clone() for name, value in model.state_dict().items()}
-
-
-def difference(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> float:
-    assert first.keys() == second.keys(), sorted(set(first) ^ set(second))
-    return max((first[k].float() - second[k].float()).abs().max().item() for k in first)
 
 
 def losses(trainer: Any) -> list[float]:
@@ -189,10 +178,10 @@ def trainer_case(folder: str) -> dict[str, Any]:
             [trainer.state.total_flos, ddp.state.total_flos],
         ],
         "architectures": architectures,
-        "difference": difference(mine, reference),
+        "difference": max_difference(mine, reference),
         "losses": losses(trainer),
         "reference_losses": reference_losses,
-        "from_pretrained_difference": difference(weights(loaded), mine),
+        "from_pretrained_difference": max_difference(weights(loaded), mine),
         "eval_loss": [eval_loss, reference_eval_loss],
         "logits": [list(logits.shape), (logits - reference_logits).abs().max().item()],
         "never_ddp": never_ddp(trainer),
@@ -237,7 +226,7 @@ def optimizers_case(folder: str) -> dict[str, Any]:
     )  # fmt: skip
     trainer.train()
     return {
-        "difference": difference(weights(trainer.model), weights(ddp.model)),
+        "difference": max_difference(weights(trainer.model), weights(ddp.model)),
         "same_optimizer": trainer.optimizer.optimizer is optimizer,
         "scheduler_bound": trainer.lr_scheduler is scheduler and scheduler.optimizer is optimizer,
         "lrs": [scheduler.get_last_lr(), ddp.lr_scheduler.get_last_lr()],
@@ -260,7 +249,7 @@ def bf16_case(folder: str) -> dict[str, Any]:
         "shard_dtypes": sorted({str(p.dtype) for p in trainer.model.parameters()}),
         "losses": losses(trainer),
         "reference_losses": reference_losses,
-        "difference_to_fp32": difference(weights(trainer.model), reference),
+        "difference_to_fp32": max_difference(weights(trainer.model), reference),
     }
 
 
@@ -277,7 +266,7 @@ def resume_case(folder: str) -> dict[str, Any]:
     resumed = groupshard_trainer(os.path.join(folder, "parts"), tiny_llama(seed=3))
     resumed.train(resume_from_checkpoint=checkpoint)
     return {
-        "difference": difference(weights(resumed.model), weights(whole.model)),
+        "difference": max_difference(weights(resumed.model), weights(whole.model)),
         "scheduler_steps": [resumed.lr_scheduler.last_epoch, whole.lr_scheduler.last_epoch],
         "files": sorted(os.listdir(checkpoint)),
         "losses": [losses(resumed), losses(whole)],
@@ -309,8 +298,8 @@ def async_checkpoint_case(folder: str) -> dict[str, Any]:
     return {
         "background_saves": spy.call_count,
         "files": sorted(os.listdir(checkpoint)),
-        "difference": difference(weights(resumed.model), weights(whole.model)),
-        "checkpointed": difference(weights(first.model), weights(whole.model)),
+        "difference": max_difference(weights(resumed.model), weights(whole.model)),
+        "checkpointed": max_difference(weights(first.model), weights(whole.model)),
         "refused": refused,
     }
 
@@ -353,14 +342,14 @@ def lora_case(folder: str) -> dict[str, Any]:
         after = merged(input_ids=ids).logits
     return {
         "peft_counts": [trainer.model.get_nb_trainable_parameters(), reference_counts],
-        "difference": difference(mine, reference),
+        "difference": max_difference(mine, reference),
         "state_elements": state_elements,
         "trainable_shard_elements": trainable,
         "lora_elements": sum(v.numel() for k, v in mine.items() if "lora_" in k),
         "lora_b_trained": max(v.abs().max().item() for k, v in mine.items() if "lora_B" in k),
         "frozen_grads": frozen_grads,
         "files": sorted(os.listdir(saved)),
-        "adapter_difference": difference(weights(loaded), mine),
+        "adapter_difference": max_difference(weights(loaded), mine),
         "merged": [type(merged).__name__, (before - after).abs().max().item()],
     }
 
@@ -417,8 +406,8 @@ def accelerate_case(folder: str) -> dict[str, Any]:
         tiny_llama(), folder, sharded=True, resume=os.path.join(folder, "state")
     )
     return {
-        "difference": difference(weights(model), weights(reference.module)),
-        "resumed_difference": difference(weights(resumed), weights(model)),
+        "difference": max_difference(weights(model), weights(reference.module)),
+        "resumed_difference": max_difference(weights(resumed), weights(model)),
         "never_ddp": all(m is model for m in accelerator._models),
     }
 
@@ -434,23 +423,5 @@ CASES = {
 }
 
 
-def main() -> None:
-    folder, names = sys.argv[1], sys.argv[2:] or list(CASES)
-    torch.set_num_threads(1)
-    results: dict[str, Any] = {}
-    for name in names:  # one launch for all: each torchrun start costs seconds
-        os.makedirs(os.path.join(folder, name), exist_ok=True)
-        try:
-            results[name] = {"result": CASES[name](os.path.join(folder, name))}
-        except Exception:  # the other cases still run; the test shows this traceback
-            results[name] = {"error": traceback.format_exc()}
-    if int(os.environ.get("RANK", "0")) == 0:
-        with open(os.path.join(folder, "result.json"), "w") as file:
-            json.dump(results, file)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    run_cases(CASES)

@@ -9,11 +9,7 @@ FOLDER/result.json, per case its result or its traceback.
 
 from __future__ import annotations
 
-import json
 import os
-import sys
-import traceback
-import warnings
 from typing import Any
 
 import lightning as L
@@ -25,6 +21,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import groupshard as gs
 from groupshard.cli.model import GPT, Block, GPTConfig
 from groupshard.integrations.lightning import GroupShardStrategy, to_lightning_checkpoint
+
+from helpers import max_difference, run_cases, weights
 
 CONFIG = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
 SAMPLES = 24  # 3 optimizer steps an epoch at world 2, batch 2, accumulation 2
@@ -179,13 +177,6 @@ def trainer(folder: str, strategy: Any, **overrides: Any) -> L.Trainer:
     return L.Trainer(**options)
 
 
-def weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: value.detach().clone() for name, value in module.state_dict().items()}
-
-
-def difference(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> float:
-    assert first.keys() == second.keys(), sorted(set(first) ^ set(second))
-    return max((first[k].float() - second[k].float()).abs().max().item() for k in first)
 
 
 def fit_case(folder: str) -> dict[str, Any]:
@@ -208,7 +199,7 @@ def fit_case(folder: str) -> dict[str, Any]:
         "sharded": isinstance(module, gs.ShardedModule),
         "never_ddp": sharded.strategy.model is module,
         "groups": groups,
-        "difference": difference(weights(module), weights(reference)),
+        "difference": max_difference(weights(module), weights(reference)),
         "global_step": sharded.global_step,
         "validation": [validation, reference_validation[0]["val_loss"]],
         "test": test,
@@ -232,7 +223,7 @@ def validate_first_case(folder: str) -> dict[str, Any]:
     sharded.fit(module, loader())
     return {
         "groups": [groups_after_validate, len(module.groupshard.groups.groups)],
-        "difference": difference(weights(module), weights(reference)),
+        "difference": max_difference(weights(module), weights(reference)),
     }
 
 
@@ -246,8 +237,8 @@ def clip_value_case(folder: str) -> dict[str, Any]:
     unclipped = LanguageModel()
     trainer(folder, "ddp", gradient_clip_val=None).fit(unclipped, loader())
     return {
-        "difference": difference(weights(module), weights(reference)),
-        "clipping_changed_it": difference(weights(reference), weights(unclipped)),
+        "difference": max_difference(weights(module), weights(reference)),
+        "clipping_changed_it": max_difference(weights(reference), weights(unclipped)),
     }
 
 
@@ -285,13 +276,13 @@ def resume_case(folder: str) -> dict[str, Any]:
         from_ddp, loader(True), ckpt_path=ddp_file
     )
     return {
-        "difference": difference(weights(resumed), weights(whole)),
+        "difference": max_difference(weights(resumed), weights(whole)),
         "steps": [again.global_step, again.lr_scheduler_configs[0].scheduler.last_epoch],
         "files": sorted(os.listdir(path)),
-        "from_ddp_difference": difference(weights(from_ddp), weights(ddp_whole)),
-        "load_from_checkpoint": difference(weights(loaded), weights(first.lightning_module)),
-        "ddp_from_converted": difference(weights(from_converted), weights(whole)),
-        "sharded_vs_ddp": difference(weights(whole), weights(ddp_whole)),
+        "from_ddp_difference": max_difference(weights(from_ddp), weights(ddp_whole)),
+        "load_from_checkpoint": max_difference(weights(loaded), weights(first.lightning_module)),
+        "ddp_from_converted": max_difference(weights(from_converted), weights(whole)),
+        "sharded_vs_ddp": max_difference(weights(whole), weights(ddp_whole)),
     }
 
 
@@ -314,8 +305,8 @@ def bf16_case(folder: str) -> dict[str, Any]:
         "plugin": type(sharded.strategy.precision_plugin).__name__,
         "policies": sorted(policies),
         "shard_dtypes": sorted({str(p.dtype) for p in module.parameters()}),
-        "difference": difference(weights(module), weights(reference)),
-        "difference_to_fp32": difference(weights(module), weights(fp32)),
+        "difference": max_difference(weights(module), weights(reference)),
+        "difference_to_fp32": max_difference(weights(module), weights(fp32)),
         "loss_dtypes": [module.loss_dtype, reference.loss_dtype],
     }
 
@@ -347,7 +338,7 @@ def fp16_case(folder: str) -> dict[str, Any]:
         "scaler": type(scaler).__name__,
         "scale": scaler.get_scale(),
         "restored_scale": restored.strategy.precision_plugin.scaler.get_scale(),
-        "difference_to_fp32": difference(weights(module), weights(fp32)),
+        "difference_to_fp32": max_difference(weights(module), weights(fp32)),
     }
 
 
@@ -365,7 +356,7 @@ def lora_case(folder: str) -> dict[str, Any]:
     frozen = [p for p in module.parameters() if not p.requires_grad]
     trained = [p for p in module.parameters() if p.requires_grad]
     return {
-        "difference": difference(weights(module), weights(reference)),
+        "difference": max_difference(weights(module), weights(reference)),
         "frozen_with_grad": sum(p.grad is not None for p in frozen),
         "frozen_in_optimizer": sum(
             any(p is q for group in optimizer.param_groups for q in group["params"]) for p in frozen
@@ -444,8 +435,8 @@ def async_checkpoint_case(folder: str) -> dict[str, Any]:
     return {
         "background_saves": spy.call_count,
         "folders": sorted(os.listdir(folders)),
-        "checkpointed": difference(weights(checkpointed), weights(whole)),
-        "resumed": difference(weights(resumed), weights(whole)),
+        "checkpointed": max_difference(weights(checkpointed), weights(whole)),
+        "resumed": max_difference(weights(resumed), weights(whole)),
         "refused": message,
     }
 
@@ -463,24 +454,5 @@ CASES = {
 }
 
 
-def main() -> None:
-    folder, names = sys.argv[1], sys.argv[2:] or list(CASES)
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", ".*does not have many workers.*")
-    results: dict[str, Any] = {}
-    for name in names:  # one launch for all: each torchrun start costs seconds
-        os.makedirs(os.path.join(folder, name), exist_ok=True)
-        try:
-            results[name] = {"result": CASES[name](os.path.join(folder, name))}
-        except Exception:  # the other cases still run; the test shows this traceback
-            results[name] = {"error": traceback.format_exc()}
-    if int(os.environ.get("RANK", "0")) == 0:
-        with open(os.path.join(folder, "result.json"), "w") as file:
-            json.dump(results, file)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    run_cases(CASES)
