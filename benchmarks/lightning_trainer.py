@@ -17,7 +17,13 @@ gloo on these 2 cores, one thread per rank):
 - **fsdp2**: ``ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)`` with
   ``fully_shard`` on every block and the inner model in ``configure_model`` (Lightning's FSDP2
   recipe; Lightning reduces every micro-batch's gradients under FSDP2);
-- **groupshard**: ``GroupShardStrategy(unit=Block, strategy="full")``.
+- **groupshard**: ``GroupShardStrategy(unit=Block, strategy="full")``;
+- **fabric-ddp**, **fabric-fsdp2**, **fabric-groupshard**: the same under Lightning Fabric's
+  documented loop (``no_backward_sync`` for the first micro-batch, ``clip_gradients``):
+  ``strategy="ddp"``; Fabric's ``ModelParallelStrategy`` with ``fully_shard`` on every block
+  and the root as its ``parallelize_fn`` (the optimizer built on the DTensors, FSDP2's
+  order); ``groupshard.integrations.fabric.GroupShardStrategy(unit=Block)`` (the optimizer's
+  two groups given to ``fabric.setup``). Each is compared with the FSDP2 row of its kind.
 
 Every (round, row) runs in two fresh processes, rows in an order that rotates from round
 to round. A callback times each optimizer step (from its first micro-batch's
@@ -46,7 +52,7 @@ MODELS = {
     "gpt": {"n_layer": 4, "n_embd": 768, "n_head": 12, "vocab_size": 8192, "block_size": 128},
     "tiny": {"n_layer": 2, "n_embd": 16, "n_head": 2, "vocab_size": 32, "block_size": 8},
 }
-ROWS = ("ddp", "fsdp2", "groupshard")
+ROWS = ("ddp", "fsdp2", "groupshard", "fabric-ddp", "fabric-fsdp2", "fabric-groupshard")
 
 
 def module_for(row: str, shape: dict[str, int]) -> Any:
@@ -66,10 +72,7 @@ def module_for(row: str, shape: dict[str, int]) -> Any:
             return F.cross_entropy(self.model(ids).flatten(0, 1), targets.flatten())
 
         def configure_optimizers(self) -> Any:
-            decay = [p for p in self.parameters() if p.dim() >= 2]
-            rest = [p for p in self.parameters() if p.dim() < 2]
-            groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0}]
-            return torch.optim.AdamW(groups, lr=3e-4)
+            return torch.optim.AdamW(decay_groups(self), lr=3e-4)
 
     class FullyShardedModel(LanguageModel):
         def configure_model(self) -> None:
@@ -114,7 +117,8 @@ def step_timer() -> Any:
             self.cpu_seconds: list[float] = []
 
         def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, index: int) -> None:
-            self.model = trainer.strategy.model  # what trains (teardown unwraps DDP)
+            if trainer is not None:  # Fabric's rows call it themselves
+                self.model = trainer.strategy.model  # what trains (teardown unwraps DDP)
             if index % ACCUMULATION == 0:
                 self._start = (time.perf_counter(), time.process_time())
 
@@ -142,6 +146,72 @@ def check_wrapping(row: str, trained: Any, module: Any) -> None:
         assert isinstance(module, gs.ShardedModule) and trained is module
 
 
+def decay_groups(model: torch.nn.Module) -> list[dict[str, Any]]:
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0}]
+
+
+def fabric_strategy(row: str) -> Any:
+    from lightning.fabric.strategies import ModelParallelStrategy
+
+    from groupshard.cli.model import Block
+    from groupshard.integrations.fabric import GroupShardStrategy
+
+    def fully_shard_blocks(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh["data_parallel"])
+        return fully_shard(model, mesh=mesh["data_parallel"])
+
+    if row == "fabric-fsdp2":
+        return ModelParallelStrategy(
+            fully_shard_blocks, data_parallel_size=WORLD_SIZE, tensor_parallel_size=1
+        )
+    if row == "fabric-groupshard":
+        return GroupShardStrategy(unit=Block, strategy="full")
+    return "ddp"
+
+
+def fabric_fit(row: str, shape: dict[str, int], timer: Any) -> tuple[Any, Any, int]:
+    """Fabric's documented loop (the same options as the Trainer rows) under ``row``'s
+    strategy, timed per optimizer step by ``timer``; the module as set up, the one that
+    trains, and the parameter count."""
+    import lightning as L
+    import torch.nn.functional as F
+
+    from groupshard.cli.model import GPT, GPTConfig
+
+    fabric = L.Fabric(accelerator="cpu", devices=WORLD_SIZE, strategy=fabric_strategy(row))
+    fabric.launch()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**shape))
+    parameters = sum(p.numel() for p in model.parameters())
+    if row == "fabric-fsdp2":  # FSDP2's order: shard, then build the optimizer on the DTensors
+        model = fabric.setup_module(model)
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(decay_groups(model), lr=3e-4))
+    else:
+        model, optimizer = fabric.setup(model, torch.optim.AdamW(decay_groups(model), lr=3e-4))
+    data = fabric.setup_dataloaders(loader(shape))
+    _trim()
+    timer.before = rss()
+    reset_peak()
+    for index, (ids, targets) in enumerate(data):
+        accumulating = index % ACCUMULATION < ACCUMULATION - 1
+        if index % ACCUMULATION == 0:
+            timer.on_train_batch_start(None, None, None, index)
+        with fabric.no_backward_sync(model, enabled=accumulating):
+            loss = F.cross_entropy(model(ids).flatten(0, 1), targets.flatten())
+            fabric.backward(loss / ACCUMULATION)
+        if not accumulating:
+            fabric.clip_gradients(model, optimizer, max_norm=1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+            timer.on_train_batch_end(None, None, index)
+    return model.module, model._forward_module, parameters
+
+
 def _worker(rank: int, row: str, model: str, port: int, folder: str, out: str) -> None:
     _die_with_parent()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE), LOCAL_RANK=str(rank),
@@ -153,6 +223,13 @@ def _worker(rank: int, row: str, model: str, port: int, folder: str, out: str) -
 
     shape = MODELS[model]
     timer = step_timer()
+    if row.startswith("fabric-"):
+        module, trained, parameters = fabric_fit(row, shape, timer)
+        before = timer.before
+        peak, _ = peak_and_held()
+        check_wrapping(row.removeprefix("fabric-"), trained, module)
+        _write_result(out, rank, timer, peak - before, parameters)
+        return
     trainer = L.Trainer(
         accelerator="cpu", devices=WORLD_SIZE, strategy=strategy_for(row), max_epochs=1,
         accumulate_grad_batches=ACCUMULATION, gradient_clip_val=1.0, default_root_dir=folder,
@@ -168,10 +245,14 @@ def _worker(rank: int, row: str, model: str, port: int, folder: str, out: str) -
     trainer.fit(module, data)
     peak, _ = peak_and_held()
     check_wrapping(row, timer.model, module)
+    _write_result(out, rank, timer, peak - before, parameters)
+
+
+def _write_result(out: str, rank: int, timer: Any, peak: int, parameters: int) -> None:
     result = {
         "step_s": statistics.median(timer.seconds[1:]),
         "cpu_s": statistics.median(timer.cpu_seconds[1:]),
-        "peak_above_start": peak - before,
+        "peak_above_start": peak,
         "steps": len(timer.seconds),
         "parameters": parameters,
     }

@@ -645,6 +645,14 @@ def tensor_parallel_table(reports: list[Report]) -> Lines:
     return markdown(header, rows)
 
 
+def fsdp2_row(name: str) -> str:
+    """The FSDP2 row a trainer benchmark row is compared with: the one of its kind (LoRA,
+    Fabric)."""
+    if name.endswith("lora"):
+        return "fsdp2 lora"
+    return "fabric-fsdp2" if name.startswith("fabric-") else "fsdp2"
+
+
 def trainer_table(reports: list[Report]) -> Lines:
     """``benchmarks/trainer.py``: Hugging Face's Trainer per system, with and without LoRA
     (step wall seconds, the slowest rank's median, median over rounds; CPU seconds per
@@ -659,7 +667,7 @@ def trainer_table(reports: list[Report]) -> Lines:
         label = f"{report['model']} ({report['parameters'] / 1e6:.0f}M)"
         for name, row in report["rows"].items():
             # a run of some rows (--rows) may lack the FSDP2 row: no ratio then
-            fsdp2 = report["rows"].get("fsdp2 lora" if name.endswith("lora") else "fsdp2")
+            fsdp2 = report["rows"].get(fsdp2_row(name))
             rows.append([
                 label, name, f"{row['step_s']:.3f}", f"{row['cpu_s']:.3f}",
                 mib(row["peak_above_start"], ".1f"),

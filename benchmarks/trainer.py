@@ -47,6 +47,7 @@ from typing import Any
 import fresh
 import torch
 from construction import _die_with_parent, _trim, peak_and_held, reset_peak, rss
+from tables import fsdp2_row
 
 HERE = Path(__file__).resolve().parent
 WORLD_SIZE = 2
@@ -260,7 +261,7 @@ def write_report(out: str, rows: dict[str, Any], **fields: Any) -> None:
     Path(out).write_text(json.dumps(report, indent=1) + "\n")
     print(f"{'row':<18} {'step s':>7} {'cpu s':>7} {'peak MiB':>9} {'x fsdp2':>8}")
     for row, values in rows.items():
-        base = rows.get(f"fsdp2{' lora' if row.endswith('lora') else ''}")
+        base = rows.get(fsdp2_row(row))
         ratio = values["step_s"] / base["step_s"] if base else float("nan")
         print(f"{row:<18} {values['step_s']:7.3f} {values['cpu_s']:7.3f} "
               f"{values['peak_above_start'] / 2**20:9.1f} {ratio:8.2f}")  # fmt: skip

@@ -9,7 +9,9 @@ from __future__ import annotations
 from helpers import rendered_table, run_benchmark
 
 ROWS = ("ddp", "fsdp2 lora", "groupshard lora")
-LIGHTNING_ROWS = ("ddp", "fsdp2", "groupshard")
+LIGHTNING_ROWS = (
+    "ddp", "fsdp2", "groupshard", "fabric-ddp", "fabric-fsdp2", "fabric-groupshard"
+)
 
 
 def test_trainer_benchmark_rows_run_and_render(tmp_path):

@@ -497,10 +497,10 @@ def _launch(config: TrainConfig, nproc: int) -> int:
 def _start_worker_server() -> None:
     """Start the server the workers will fork from, now: it imports the training loop (and
     torch) while this process imports torch's launcher, on another core (a launch of the
-    tiny model on 2 cores: 6.2 -> 5.0 s). The workers fork from it rather than each importing
-    torch anew as spawned ones do (on CPU, 4 workers start 3 s sooner); it imports no CUDA
-    state, so forking from it is safe on GPUs too. Started with SIGINT and SIGTERM blocked,
-    which the workers it forks inherit (``_StopRequests.run`` says why)."""
+    tiny model on 2 cores: median 5.58 -> 5.26 s). The workers fork from it rather than
+    each importing torch anew as spawned ones do (on CPU, 4 workers start 3 s sooner); it
+    imports no CUDA state, so forking from it is safe on GPUs too. Started with SIGINT and
+    SIGTERM blocked, which the workers it forks inherit (``_StopRequests.run`` says why)."""
     import multiprocessing
     import multiprocessing.forkserver
 
