@@ -176,8 +176,9 @@ def world_one_case(folder: str) -> dict[str, Any]:
 
 def setup_module_case(folder: str) -> dict[str, Any]:
     """fabric.setup_module, then an optimizer on model.parameters() and
-    fabric.setup_optimizers (one group): equal to DDP; an optimizer with two groups built
-    before setup_module is refused with the way to keep them."""
+    fabric.setup_optimizers (one group): equal to DDP, as is a model sharded by gs.shard
+    beforehand with an optimizer over its groups; an optimizer with two groups built before
+    setup_module is refused with the way to keep them."""
     results: dict[str, Any] = {}
     for name, strategy in (("sharded", GroupShardStrategy(unit=Block)), ("ddp", "ddp")):
         fabric = fabric_for(strategy)
@@ -185,6 +186,13 @@ def setup_module_case(folder: str) -> dict[str, Any]:
         optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-2))
         train(fabric, model, optimizer, None)
         results[name] = weights(model)
+    # a model the user sharded with gs.shard, and an optimizer over its groups
+    fabric = fabric_for(GroupShardStrategy())
+    sharded = gs.shard(build_model(), unit=Block)
+    model = fabric.setup_module(sharded)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(sharded.optimizer_groups(), lr=3e-2))
+    train(fabric, model, optimizer, None)
+    results["own"] = weights(model)
     fabric = fabric_for(GroupShardStrategy(unit=Block))
     plain = build_model()
     grouped = grouped_optimizer(plain)
@@ -194,7 +202,11 @@ def setup_module_case(folder: str) -> dict[str, Any]:
         refused = ""
     except ValueError as error:
         refused = str(error)
-    return {"difference": max_difference(results["sharded"], results["ddp"]), "refused": refused}
+    return {
+        "difference": max_difference(results["sharded"], results["ddp"]),
+        "own": max_difference(results["own"], results["ddp"]),
+        "refused": refused,
+    }
 
 
 class CastGPT(torch.nn.Module):

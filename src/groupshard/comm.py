@@ -11,7 +11,10 @@ on gloo's own threads while Python goes on; on NCCL it runs on NCCL's stream, or
 after the work already queued on the current stream, and ``wait()`` makes the current
 stream wait for it (the host does not block); c10d records the tensors' use on that
 stream, so the caching allocator does not hand their memory out early, and ``Pending``
-keeps them referenced until the wait.
+keeps them referenced until the wait. Every collective is started asynchronously; a
+synchronous call waits for it at once. On gloo that wait is cut at ``WAIT_NOTICE_S``: a
+rank left alone in a collective (a call made under ``if rank == 0:``) says on stderr
+which call it is in (``collective_call``), then waits on.
 """
 
 from __future__ import annotations

@@ -177,8 +177,7 @@ class GroupShardStrategy(DDPStrategy):
         """Shard ``module`` with one param group (unless ``gs.shard`` did already): for an
         optimizer built afterwards on ``model.parameters()``."""
         if isinstance(module, ShardedModule):
-            if module not in self._sharded:
-                self._sharded.append(module)
+            self._adopt(module)
             return module
         return self._shard(module, None)
 
@@ -216,19 +215,26 @@ class GroupShardStrategy(DDPStrategy):
         if meta_parameters(dict(module.named_parameters())):
             options.setdefault("device", self.root_device)
         sharded = shard(module, param_groups, **options)
-        if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
-            # torch's scaler would skip a step on one rank only: gs's agrees over the ranks
-            old = plugin.scaler
-            plugin.scaler = GradScaler(
-                sharded,
-                init_scale=old.get_scale(),
-                growth_factor=old.get_growth_factor(),
-                backoff_factor=old.get_backoff_factor(),
-                growth_interval=old.get_growth_interval(),
-                enabled=old.is_enabled(),
-            )
-        self._sharded.append(sharded)
+        self._adopt(sharded)
         return sharded
+
+    def _adopt(self, sharded: ShardedModule) -> None:
+        """Keep ``sharded`` for ``setup_optimizers``; fp16's scaler becomes a ``gs.GradScaler``
+        over it (torch's would skip a step on one rank only; gs's agrees over the ranks)."""
+        plugin = self.precision
+        if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
+            old = plugin.scaler
+            if not isinstance(old, GradScaler):
+                plugin.scaler = GradScaler(
+                    sharded,
+                    init_scale=old.get_scale(),
+                    growth_factor=old.get_growth_factor(),
+                    backoff_factor=old.get_backoff_factor(),
+                    growth_interval=old.get_growth_interval(),
+                    enabled=old.is_enabled(),
+                )
+        if sharded not in self._sharded:
+            self._sharded.append(sharded)
 
     def save_checkpoint(
         self,
