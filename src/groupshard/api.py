@@ -102,7 +102,8 @@ class ShardedModule(nn.Module):
     def get_nb_trainable_parameters(self) -> tuple[int, int]:
         """peft's ``(trainable, all)`` parameter counts (``print_trainable_parameters``) of
         the unsharded model; no communication."""
-        return self.num_unsharded_parameters(trainable_only=True), self.num_unsharded_parameters()
+        numels = self._unsharded_numels().values()
+        return sum(n for n, trainable in numels if trainable), sum(n for n, _ in numels)
 
     def _unsharded_numels(self) -> dict[str, tuple[int, bool]]:
         """Each parameter's unsharded element count and whether it trains, by name."""

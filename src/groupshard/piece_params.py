@@ -100,15 +100,17 @@ class ShardPiece(nn.Parameter):
 def hold_piece(original: nn.Parameter, fqn: str, piece: torch.Tensor, whole: torch.Size) -> None:
     """``original`` holds ``piece`` of the parameter ``fqn`` of shape ``whole``; unless
     the piece is the whole parameter, it becomes a ``ShardPiece``. A parameter of another
-    class than ``nn.Parameter`` keeps its class (its piece then reads as it is)."""
-    original.data = piece
+    class than ``nn.Parameter`` keeps its class (its piece then reads as it is). Called
+    at every reshard: past the first call it only points ``original`` at ``piece``."""
+    with torch._C.DisableTorchFunctionSubclass():  # a ShardPiece's own .data, undispatched
+        original.data = piece
     if tuple(piece.shape) == tuple(whole):
         release_piece(original)
         return
     if type(original) is nn.Parameter:
         setattr(original, CLASS_ATTR, nn.Parameter)
         original.__class__ = ShardPiece
-    if isinstance(original, ShardPiece):
+    if isinstance(original, ShardPiece) and getattr(original, FQN_ATTR, None) != fqn:
         setattr(original, FQN_ATTR, fqn)
         setattr(original, WHOLE_ATTR, torch.empty(whole, dtype=piece.dtype, device="meta"))
 

@@ -49,6 +49,10 @@ def point_at_shards(optimizer: torch.optim.Optimizer, model: ShardedModule, hint
         optimizer.add_param_group(group)
 
 
+HALF_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+"""Lightning's and Fabric's mixed precision settings, by the dtype the units compute in."""
+
+
 def half_precision(dtype: torch.dtype) -> MixedPrecision:
     """A trainer's ``bf16``/``fp16`` mixed precision as groupshard runs it: the units gather
     and compute in ``dtype`` and reduce gradients in fp32; the shards stay fp32."""

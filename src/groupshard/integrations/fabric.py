@@ -54,6 +54,7 @@ from groupshard.api import ShardedModule, shard
 from groupshard.checkpoint import codec
 from groupshard.full_state import load_optim_state_dict
 from groupshard.integrations.common import (
+    HALF_DTYPES,
     check_shard_options,
     half_precision,
     point_at_shards,
@@ -64,8 +65,6 @@ from groupshard.scaler import GradScaler
 FABRIC_STATE = "fabric"
 """The ``gs.checkpoint`` extra that holds what ``fabric.save`` got besides the model and
 the optimizer, and under which keys those were."""
-
-MIXED_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
 class GroupShardStrategy(DDPStrategy):
@@ -211,7 +210,7 @@ class GroupShardStrategy(DDPStrategy):
         options = dict(self._shard_options)
         plugin = self.precision
         if isinstance(plugin, MixedPrecision) and options.get("mixed_precision") is None:
-            options["mixed_precision"] = half_precision(MIXED_DTYPES[plugin.precision])
+            options["mixed_precision"] = half_precision(HALF_DTYPES[plugin.precision])
         if meta_parameters(dict(module.named_parameters())):
             options.setdefault("device", self.root_device)
         sharded = shard(module, param_groups, **options)

@@ -57,6 +57,7 @@ from groupshard.checkpoint.conversion import read_unsharded
 from groupshard.full_state import load_optim_state_dict
 from groupshard.groups import resolve_groups
 from groupshard.integrations.common import (
+    HALF_DTYPES,
     CheckpointWrites,
     check_shard_options,
     half_precision,
@@ -67,8 +68,6 @@ from groupshard.scaler import GradScaler
 
 LIGHTNING_STATE = "lightning"
 """The ``gs.checkpoint`` extra that holds Lightning's own part of a checkpoint."""
-
-HALF_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
 class GroupShardPrecision(MixedPrecision):
