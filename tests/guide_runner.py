@@ -1,8 +1,8 @@
 """Run several guide scripts one after another in one torchrun launch (tests/test_docs.py),
 each as if launched alone: in its own folder, as ``__main__``, with its own rendezvous port
 (its ``init_process_group`` makes a fresh store, as torchrun's would), rank 0's standard
-output into ``stdout.txt`` there. One launch instead of one per script: the interpreter,
-torch and groupshard start once.
+output into ``stdout.txt`` there, and accelerate's process-wide state dropped after it. One
+launch instead of one per script: the interpreter, torch and groupshard start once.
 
 Usage: ``torchrun ... guide_runner.py FOLDER...`` with ``GUIDE_PORTS`` a comma-separated
 free port per folder; each folder holds ``script.py``.
@@ -35,6 +35,16 @@ def main(folders: list[str]) -> None:
             raise
         finally:
             os.chdir(start)
+            _forget_process_wide_state()
+
+
+def _forget_process_wide_state() -> None:
+    """What a script leaves for the process, dropped so that the next one starts as in a
+    launch of its own: accelerate's state (its ``PartialState`` keeps the process group it
+    found, which the script destroyed)."""
+    accelerate_state = sys.modules.get("accelerate.state")
+    if accelerate_state is not None:
+        accelerate_state.AcceleratorState._reset_state(reset_partial_state=True)
 
 
 if __name__ == "__main__":

@@ -46,11 +46,10 @@ SCRIPTS = {
 }
 """(guide, index of its python block) -> a pattern of the line the script prints (the guide
 shows that line). Each guide's first block; every block of integrations.md."""
-# scripts of torch and groupshard alone run one after another in one launch (guide_runner);
-# those of Hugging Face's libraries and Lightning, which keep process-wide state
-# (accelerate's PartialState), each in its own
-OWN_LAUNCH = {"integrations.md", "lightning.md", "tensor-parallel.md"}
-# scripts on a 2 x 2 (dp, tp) mesh, each in a launch of its own; the others run on 2 processes
+# the scripts run one after another in one launch per number of processes (guide_runner),
+# but Lightning's, in a launch of its own: its Trainer keeps process-wide state
+OWN_LAUNCH = {"lightning.md"}
+# scripts on a 2 x 2 (dp, tp) mesh, on 4 processes; the others run on 2
 NPROC = {
     ("tensor-parallel.md", 0): 4,
     ("tensor-parallel.md", 1): 4,
@@ -129,20 +128,18 @@ def _check_printed(guide: str, index: int, printed: str) -> None:
         assert CHECKS[guide, index](*found.groups()), (guide, found.group(0))
 
 
-def _own_launch(key: tuple[str, int]) -> bool:
-    return key[0] in OWN_LAUNCH or key in NPROC
-
-
-@pytest.mark.parametrize("guide, index", sorted(k for k in SCRIPTS if _own_launch(k)))
+@pytest.mark.parametrize("guide, index", sorted(k for k in SCRIPTS if k[0] in OWN_LAUNCH))
 def test_the_guides_scripts_run_as_written(tmp_path, guide, index):
     script = guide_script(guide, index)
     _check_printed(guide, index, run_script(script, tmp_path, NPROC.get((guide, index), 2)))
 
 
-def test_the_other_guides_scripts_run_as_written_in_one_launch(tmp_path, monkeypatch):
-    """The first script of every guide of torch and groupshard alone, each in its own
-    folder with its own rendezvous, in one torchrun launch (tests/guide_runner.py)."""
-    keys = sorted(k for k in SCRIPTS if not _own_launch(k))
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_the_other_guides_scripts_run_as_written_in_one_launch(tmp_path, monkeypatch, nproc):
+    """The scripts of every guide but Lightning's that run on ``nproc`` processes, each in
+    its own folder with its own rendezvous, in one torchrun launch (tests/guide_runner.py)."""
+    keys = sorted(k for k in SCRIPTS if k[0] not in OWN_LAUNCH and NPROC.get(k, 2) == nproc)
+    assert keys
     folders = []
     for guide, index in keys:
         folder = tmp_path / f"{guide.removesuffix('.md')}-{index}"
@@ -151,7 +148,7 @@ def test_the_other_guides_scripts_run_as_written_in_one_launch(tmp_path, monkeyp
         folders.append(str(folder))
     monkeypatch.setenv("GUIDE_PORTS", ",".join(map(str, free_ports(len(keys)))))
     runner = str(Path(__file__).with_name("guide_runner.py"))
-    run_under_torchrun([runner, *folders], tmp_path)
+    run_under_torchrun([runner, *folders], tmp_path, nproc=nproc)
     for (guide, index), folder in zip(keys, folders, strict=True):
         _check_printed(guide, index, (Path(folder) / "stdout.txt").read_text())
 
