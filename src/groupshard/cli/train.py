@@ -693,9 +693,16 @@ def sample(run: Run, new_bytes: int = SAMPLE_BYTES) -> dict[str, Any] | None:
     text and both lengths (rank 0; None on the others, which only help gather parameters)."""
     if run.sharded is None:
         return _generate(run, run.model.module, new_bytes) if run.ranks.rank == 0 else None
-    if run.config.tp > 1:  # every rank takes part in each forward, and samples alike
-        generated = _generate(run, run.sharded, new_bytes)
-        return generated if run.ranks.rank == 0 else None
+    if run.config.tp > 1:
+        # summon_full_params is not built for a TP'd model, whose forwards would each gather
+        # over dp and reduce over tp on every rank (200 of them took 9 s of a 4-process run on
+        # 2 cores): rank 0 writes with the whole weights, gathered once, in a plain copy
+        whole = gs.full_state_dict(run.sharded, rank0_only=True)
+        if not whole:
+            return None
+        plain = GPT(run.model_config).to(run.device)
+        plain.load_state_dict(whole)
+        return _generate(run, plain, new_bytes)
     with run.sharded.summon_full_params():  # forward runs locally inside: no collectives
         return _generate(run, run.sharded, new_bytes) if run.ranks.rank == 0 else None
 
