@@ -69,15 +69,17 @@ def plot(out: Path, rows: list[dict[str, Any]], summary: dict[str, Any] | None =
     """Three panels over steps: the loss (training, raw and smoothed; validation; the
     baselines), each group's gradient norm with the clipping threshold, and each group's
     learning rate; the run's settings (from ``summary``) in the title."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # a Figure of its own, not pyplot's: no GUI backend or global figure list to import
+    from matplotlib.figure import Figure
     from matplotlib.ticker import NullFormatter
 
     summary = summary or {}
     config = summary.get("config", {})
-    figure, (loss_axis, norm_axis, lr_axis) = plt.subplots(1, 3, figsize=(16, 4.8))
+    figure = Figure(figsize=(16, 4.8))
+    loss_axis, norm_axis, lr_axis = figure.subplots(1, 3)
+    # fixed margins that fit the labels: tight_layout measured every text first, 0.3 s of
+    # the 0.7 s this plot took at the end of each run
+    figure.subplots_adjust(left=0.045, right=0.99, bottom=0.11, top=0.86, wspace=0.22)
     steps = [r["step"] for r in rows]
     losses = [r["loss"] for r in rows]
     loss_axis.plot(steps, losses, color="C0", alpha=0.3, linewidth=0.8, label="train")
@@ -130,10 +132,8 @@ def plot(out: Path, rows: list[dict[str, Any]], summary: dict[str, Any] | None =
     lr_axis.legend(fontsize="small")
     if config:
         figure.suptitle(settings(summary))
-    figure.tight_layout()
     path = out / "training.png"
     figure.savefig(path, dpi=100)
-    plt.close(figure)
     return path
 
 
