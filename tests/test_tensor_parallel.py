@@ -248,10 +248,25 @@ def _optimizers(name: str, model: nn.Module, reference: nn.Module):
     return build(model.optimizer_groups()), build(gs.decay_groups(reference, 0.1))
 
 
+class _EmbeddingsCopied(Llama):
+    """The Llama with a copy of the embeddings' output before the first block. With torch
+    2.13, a compiled block whose input is a TP style's local output as it is (here the
+    row-wise embedding's ``to_local``) fails in backward, with or without groupshard
+    (``'Tensor' object has no attribute '_local_tensor'`` in DTensor's redistribution);
+    an eager op between them avoids it (docs/tensor-parallel.md)."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(tokens).clone()
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(self.norm(x))
+
+
 def regime_case(rank: int, world_size: int, name: str) -> dict:
     """Four steps under sequence parallelism with ``name``: a layer-wise optimizer (its trust
-    ratios from whole-parameter norms), 2 micro-batches under ``no_sync``, or activation
-    checkpointing of every block; the largest difference of the weights from one process,
+    ratios from whole-parameter norms), 2 micro-batches under ``no_sync``, activation
+    checkpointing of every block, or every block compiled (aot_eager: torch's autograd
+    graphs without generating C++); the largest difference of the weights from one process,
     and the gradient reductions started during the micro-batch without sync."""
     mesh = _mesh()
     dp_rank = mesh["dp"].get_local_rank()
@@ -261,6 +276,16 @@ def regime_case(rank: int, world_size: int, name: str) -> dict:
     if name == "checkpointing":  # torchtitan's order: TP, then activation checkpointing
         apply_activation_checkpointing(model, check_fn=lambda module: isinstance(module, Block))
         unit = CheckpointWrapper
+    graphs: list[torch.fx.GraphModule] = []
+    if name == "compile":  # torchtitan's order: TP, then each block compiled, then sharding
+
+        def recording(graph, inputs):
+            graphs.append(graph)
+            return torch._dynamo.lookup_backend("aot_eager")(graph, inputs)
+
+        model.__class__ = _EmbeddingsCopied
+        for block in model.layers:
+            block.compile(backend=recording)
     model = gs.shard(model, gs.decay_groups(model, 0.1), unit=unit, mesh=mesh["dp"])
     optimizer, reference_optimizer = _optimizers(name, model, reference)
     micro_batches = 2 if name == "accumulation" else 1
@@ -293,16 +318,21 @@ def regime_case(rank: int, world_size: int, name: str) -> dict:
     weights = max(
         (full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters()
     )
-    return {"weights": weights, "reductions without sync": sum(counts.values())}
+    return {
+        "weights": weights,
+        "reductions without sync": sum(counts.values()),
+        "compiled graphs": len(graphs),
+    }
 
 
 @pytest.mark.parametrize(
-    "name", ["lamb", "lars", "larc", "agc", "accumulation", "checkpointing"]
+    "name", ["lamb", "lars", "larc", "agc", "accumulation", "checkpointing", "compile"]
 )
 def test_layerwise_optimizers_and_the_regime_under_sequence_parallelism(run_ranks, name):
     for rank, result in enumerate(run_ranks(4, regime_case, name)):
         assert result["weights"] < TOLERANCE, (rank, result)
         assert result["reductions without sync"] == 0, (rank, result)
+        assert (result["compiled graphs"] > 0) == (name == "compile"), (rank, result)
 
 
 def three_d_case(rank: int, world_size: int) -> dict:
