@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import groupshard as gs
-from groupshard import buckets, comm
+from groupshard import buckets, comm, gathers
 from groupshard.cli.model import Block
 
 from helpers import (
@@ -236,3 +236,44 @@ def test_equal_to_one_process_with_overlap(run_ranks):
             optimizer.step()
             optimizer.zero_grad()
         assert max_difference(result["weights"], reference.state_dict()) <= 1e-5
+
+
+def reshard_in_flight_case(rank: int, world_size: int, together: bool) -> dict:
+    """A storage resharded while its asynchronous gather is still in flight (rank 1 joins
+    it late), alone or gathered together with the next unit's storage: whether the gather
+    was complete when the buffers were freed, their size then, and whether a gather
+    afterwards gives the whole weights."""
+    torch.manual_seed(0)
+    model = EdgeGPT(TINY)
+    sharded = gs.shard(model, three_groups(model, 1e-3), unit=UNITS)
+    runtime = sharded.groupshard.runtime
+    storages = [unit.storages[0] for unit in runtime.units[1:3]]
+    expected = gs.full_state_dict(sharded)
+    if rank == 1:
+        time.sleep(0.3)  # rank 0 frees its buffers while the collective waits for this rank
+    if together:
+        pending = gathers.unshard_storages(storages, async_op=True)
+    else:
+        pending = storages[0].unshard(async_op=True)
+    storages[0].reshard()
+    done, freed = pending.done, storages[0].trainable_data.untyped_storage().size()
+    pending.wait()
+    for storage in storages:
+        storage.reshard()
+    runtime.units[1].install_local_pieces()
+    with sharded.summon_full_params():
+        whole = {n: p.detach().clone() for n, p in sharded.named_parameters()}
+    return {
+        "done when freed": done,
+        "bytes after": freed,
+        "whole weights": all(torch.equal(whole[n], expected[n]) for n in whole),
+    }
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["alone", "together"])
+def test_buffers_are_not_freed_under_a_gather_in_flight(run_ranks, together):
+    """gloo writes a gather's result through the buffers' address (and its copy-out into
+    them follows): a storage freed under it would have that memory written after the
+    allocator handed it out again (heap corruption). Resharding waits for it first."""
+    for result in run_ranks(2, reshard_in_flight_case, together):
+        assert result == {"done when freed": True, "bytes after": 0, "whole weights": True}

@@ -165,4 +165,7 @@ def unshard_storages(storages: list[FlatStorage], async_op: bool = False) -> com
         ):
             storage.copy_out(columns)
 
-    return comm.all_gather(gathered, local, ranks, async_op, copy_out)
+    pending = comm.all_gather(gathered, local, ranks, async_op, copy_out)
+    for storage in storages:
+        storage.gathering = pending
+    return pending

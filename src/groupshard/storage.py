@@ -108,6 +108,7 @@ class FlatStorage:
         self.unsharded_trainable.requires_grad_(trainable > 0)
         self.is_unsharded = self.aliases_local
         self.gathered_at = -1  # parameter_writes() when last gathered
+        self.gathering: comm.Pending | None = None  # an asynchronous gather into the buffers
         self.reshard()
         # The user's original parameters (emptied), whose requires_grad still says frozen.
         self.frozen_originals = {
@@ -260,15 +261,18 @@ class FlatStorage:
             return comm.Pending(done=True)
         source = self.gather_source()
         if len(targets) == 1:  # rank-major is group-major: gather in place
-            return comm.all_gather(targets[0], source, self.ranks, async_op, self.mark_gathered)
-        gathered = source.new_empty(self.ranks.size * self.layout.local_numel)
-        return comm.all_gather(
-            gathered,
-            source,
-            self.ranks,
-            async_op,
-            lambda: self.copy_out(gathered.view(self.ranks.size, -1)),
-        )
+            pending = comm.all_gather(targets[0], source, self.ranks, async_op, self.mark_gathered)
+        else:
+            gathered = source.new_empty(self.ranks.size * self.layout.local_numel)
+            pending = comm.all_gather(
+                gathered,
+                source,
+                self.ranks,
+                async_op,
+                lambda: self.copy_out(gathered.view(self.ranks.size, -1)),
+            )
+        self.gathering = pending
+        return pending
 
     def mark_gathered(self) -> None:
         self.is_unsharded = True
@@ -289,9 +293,16 @@ class FlatStorage:
         self.mark_gathered()
 
     def reshard(self) -> None:
-        """Free the unsharded buffers (their views keep pointing at the same storage)."""
+        """Free the unsharded buffers (their views keep pointing at the same storage).
+
+        A gather into them that is still in flight is waited for first: the collective
+        writes through the buffers' address (and its copy-out into them), which freeing the
+        storage would leave pointing at memory the allocator may have handed out again."""
         if self.aliases_local:
             return
+        if self.gathering is not None:
+            self.gathering.wait()  # at once when done: waiting twice is harmless
+            self.gathering = None
         _free(self.trainable_data)
         _free(self.frozen_data)
         self.is_unsharded = False
