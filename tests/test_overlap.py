@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 
 import groupshard as gs
-from groupshard import buckets, comm, gathers
+from groupshard import buckets, comm
 from groupshard.cli.model import Block
+from groupshard.gathers import unshard_storages
 
 from helpers import (
     BATCH_PER_RANK,
@@ -252,7 +253,7 @@ def reshard_in_flight_case(rank: int, world_size: int, together: bool) -> dict:
     if rank == 1:
         time.sleep(0.3)  # rank 0 frees its buffers while the collective waits for this rank
     if together:
-        pending = gathers.unshard_storages(storages, async_op=True)
+        pending = unshard_storages(storages, async_op=True)
     else:
         pending = storages[0].unshard(async_op=True)
     storages[0].reshard()
