@@ -835,7 +835,7 @@ def test_more_processes_than_cores_warns_once(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(main, "_cpu_cores", lambda: 2)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(main, "_launch", lambda config, nproc: 0)
+    monkeypatch.setattr(main, "_launch", lambda config, nproc, stop: 0)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     for nproc, out in (("3", "over"), ("2", "fits")):
         assert main.main(["train", *TINY, "--nproc", nproc, "--out", str(tmp_path / out)]) == 0
