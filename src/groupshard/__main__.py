@@ -1,7 +1,5 @@
 """``python -m groupshard``: the same as the ``groupshard`` command."""
 
-import sys
+from groupshard.cli.main import run
 
-from groupshard.cli.main import main
-
-sys.exit(main())
+run()
