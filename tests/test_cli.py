@@ -323,7 +323,7 @@ def test_killed_worker_fails_the_run_and_resume_logs_each_step_once(tmp_path, un
 
 
 def test_hung_worker_fails_the_run_after_timeout(tmp_path):
-    out, timeout = str(tmp_path / "run"), 10
+    out, timeout = str(tmp_path / "run"), 5  # seconds: the run is past its start-up by then
     process = _start("train", *TINY, "--steps", "1000", "--timeout", str(timeout), "--out", out)
     _wait_for_rows(process, out, 3)
     stopped, *others = _workers(process)[::-1]
