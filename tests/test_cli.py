@@ -301,27 +301,6 @@ def test_corrupt_checkpoint_on_resume_names_file_and_cause(tmp_path, uninterrupt
     assert os.path.exists(os.path.join(out, "launcher.log"))
 
 
-def test_killed_worker_fails_the_run_and_resume_logs_each_step_once(tmp_path, uninterrupted):
-    out = str(tmp_path / "run")
-    process = _start("train", *TINY, *STEPS, "--ckpt-every", "10", "--out", out)
-    _wait_for_rows(process, out, 13)  # the checkpoint of step 10 is complete
-    os.kill(_workers(process)[-1], signal.SIGKILL)
-    killed = time.time()
-    _, stderr = process.communicate(timeout=TIMEOUT)
-    assert time.time() - killed < 30, stderr[-3000:]
-    assert process.returncode == 1, stderr[-3000:]
-    assert len(_lines(stderr)) < 5, stderr[-3000:]
-    last = _lines(stderr)[-1]
-    assert "error: worker" in last and "Signal 9 (SIGKILL)" in last, last
-    assert f"{out}/launcher.log" in last
-    assert len(_rows(out)) > 10  # rows past the checkpoint, which the resumed run logs again
-    groupshard("train", *TINY, *STEPS, "--ckpt-every", "10", "--out", out, "--resume")
-    resumed, expected = _rows(out), _rows(uninterrupted)
-    for row in resumed + expected:
-        del row["tokens_per_s"]
-    assert resumed == expected
-
-
 def test_hung_worker_fails_the_run_after_timeout(tmp_path):
     out, timeout = str(tmp_path / "run"), 5  # seconds: the run is past its start-up by then
     process = _start("train", *TINY, "--steps", "1000", "--timeout", str(timeout), "--out", out)
@@ -574,18 +553,15 @@ def _assert_same_run(out, whole, tmp_path):
     assert all(torch.equal(weights[name], reference[name]) for name in weights)
 
 
-def test_stop_signals_save_say_where_and_resume_ends_as_the_uninterrupted_run(
-    tmp_path, uninterrupted
-):
+def _stop_by_signals(out, uninterrupted):
     """Ctrl-C (SIGINT to the command's process group, as a terminal sends it), then, resumed,
     SIGTERM to the group and again to the command 0.2 s later, as `timeout` sends it (SLURM
     and Kubernetes alike): each is one request to stop, so the run saves within seconds
     (torch's launcher waited 30 s), says where in one line and exits 130 / 143 (the second
-    signal used to kill the workers unsaved); --resume then ends as the uninterrupted run,
-    its rows and weights bit for bit. The stopped runs write a checkpoint every 2 steps in
-    the background (--async-checkpoint), so a stop finds a write in flight: it completes,
-    then the stop's own checkpoint is written."""
-    out = str(tmp_path / "run")
+    signal used to kill the workers unsaved); its rows so far are the uninterrupted run's.
+    The stopped runs write a checkpoint every 2 steps in the background (--async-checkpoint),
+    so a stop finds a write in flight: it completes, then the stop's own checkpoint is
+    written."""
     stops = ((signal.SIGINT, [], False), (signal.SIGTERM, ["--resume"], True))
     in_background = ["--async-checkpoint", "--ckpt-every", "2"]
     for signum, resume, repeated in stops:
@@ -608,8 +584,25 @@ def test_stop_signals_save_say_where_and_resume_ends_as_the_uninterrupted_run(
             f"continue with --resume --out {out}"
         ]
     assert _timeless(_rows(out)) == _timeless(_rows(uninterrupted)[:saved])
-    groupshard("train", *TINY, *STEPS, "--out", out, "--resume")
-    _assert_same_run(out, uninterrupted, tmp_path)
+
+
+def _kill_a_worker(out):
+    """The run resumed, one worker SIGKILLed after a checkpoint: the run fails within seconds
+    (exit 1, one line naming the worker, the signal and the launcher's log), and the rows it
+    logged past the checkpoint stay, for the resumed run to log again, once."""
+    before = len(_rows(out))
+    process = _start("train", *TINY, *STEPS, "--ckpt-every", "10", "--out", out, "--resume")
+    _wait_for_rows(process, out, (before // 10 + 1) * 10 + 3)  # its checkpoint is complete
+    os.kill(_workers(process)[-1], signal.SIGKILL)
+    killed = time.time()
+    _, stderr = process.communicate(timeout=TIMEOUT)
+    assert time.time() - killed < 30, stderr[-3000:]
+    assert process.returncode == 1, stderr[-3000:]
+    assert len(_lines(stderr)) < 5, stderr[-3000:]
+    last = _lines(stderr)[-1]
+    assert "error: worker" in last and "Signal 9 (SIGKILL)" in last, last
+    assert f"{out}/launcher.log" in last
+    assert len(_rows(out)) > gs.checkpoint.read_extra(os.path.join(out, "checkpoint"))["step"]
 
 
 def test_tensor_parallel_resumes_across_the_split_and_trains_as_tp_1(tmp_path, uninterrupted):
@@ -798,34 +791,54 @@ def _kill_inside_a_save(process, out):
     raise AssertionError(f"no save caught under way: {process.communicate()[1][-3000:]}")
 
 
-def test_killed_anywhere_even_inside_a_save_then_resumed_ends_bit_identical(
-    tmp_path, uninterrupted
-):
-    """SIGKILL to the command's whole process group inside a save (one written in the
-    background, --async-checkpoint, while training goes on), while a resumed run starts, and
-    between two checkpoints; --resume after each, and the run ends with the uninterrupted
-    run's rows and weights."""
-    out = str(tmp_path / "run")
-    options = [*TINY, *STEPS, "--ckpt-every", "5", "--out", out]
+def _saved_step(out):
+    """The step of ``out``'s newest complete checkpoint; None if there is none (or it is
+    being swapped in just now)."""
+    with contextlib.suppress(OSError, ValueError):
+        return gs.checkpoint.read_extra(os.path.join(out, "checkpoint"))["step"]
+    return None
+
+
+def _kill_anywhere(out):
+    """The run resumed, then SIGKILL to the command's whole process group inside a save (one
+    written in the background, --async-checkpoint, while training goes on), while a resumed
+    run starts, and between two checkpoints; resumed after each."""
+    options = [*TINY, *STEPS, "--ckpt-every", "5", "--out", out, "--resume"]
+    before = _saved_step(out)
     process = _start("train", *options, "--async-checkpoint")
-    _wait_for_rows(process, out, 6)
-    # the checkpoint of step 5, written in the background, complete: kill in a later one
+    # a checkpoint of this run, written in the background, complete (the leftovers of
+    # earlier kills are deleted with it): kill inside a later one
     deadline = time.time() + TIMEOUT
-    while not gs.checkpoint.exists(os.path.join(out, "checkpoint")) and time.time() < deadline:
+    while _saved_step(out) == before and process.poll() is None and time.time() < deadline:
         time.sleep(0.001)
     _kill_inside_a_save(process, out)
     assert len(_inside_a_save(out)) == 1  # the unfinished save's folder, left behind
-    process = _start("train", *options, "--resume")
+    process = _start("train", *options)
     while len(_workers(process)) < 2 and process.poll() is None:  # they import, then load
         time.sleep(0.01)
     os.killpg(process.pid, signal.SIGKILL)
     process.communicate(timeout=TIMEOUT)
     saved = gs.checkpoint.read_extra(os.path.join(out, "checkpoint"))["step"]
-    process = _start("train", *options, "--resume")
+    process = _start("train", *options)
     _wait_for_rows(process, out, saved + 7)  # past the next checkpoint, before another
     os.killpg(process.pid, signal.SIGKILL)
     process.communicate(timeout=TIMEOUT)
-    groupshard("train", *options, "--resume")
+
+
+def test_stopped_and_killed_every_way_then_resumed_ends_as_the_uninterrupted_run(
+    tmp_path, uninterrupted
+):
+    """One run stopped and killed every way a run ends early, one after the other, and
+    resumed (--resume) after each: asked to stop by signals (``_stop_by_signals``), a worker
+    killed (``_kill_a_worker``), the whole command killed anywhere (``_kill_anywhere``). It
+    ends with the uninterrupted run's rows, each step logged once, and weights, bit for bit,
+    and one checkpoint folder. (One run through all of them: a finished run after each way
+    took a launch more each.)"""
+    out = str(tmp_path / "run")
+    _stop_by_signals(out, uninterrupted)
+    _kill_a_worker(out)
+    _kill_anywhere(out)
+    groupshard("train", *TINY, *STEPS, "--out", out, "--resume")
     assert sorted(name for name in os.listdir(out) if "checkpoint" in name) == ["checkpoint"]
     _assert_same_run(out, uninterrupted, tmp_path)
 
