@@ -266,7 +266,9 @@ def main() -> None:
     parser.add_argument("--rows", nargs="*", default=list(ROWS), choices=ROWS)
     parser.add_argument("--out", help="default: benchmarks/results-<model>-lightning.json")
     args = parser.parse_args()
-    rows = measure(_worker, args.rows, args.model, args.rounds)
+    # lightning imported once, by the server every row's workers fork from (each worker
+    # importing it anew took seconds per row)
+    rows = measure(_worker, args.rows, args.model, args.rounds, preload=("lightning",))
     out = args.out or str(HERE / f"results-{args.model}-lightning.json")
     write_report(
         out, rows, model=f"lightning {args.model}", shape=MODELS[args.model], rounds=args.rounds
