@@ -843,6 +843,32 @@ def test_stopped_and_killed_every_way_then_resumed_ends_as_the_uninterrupted_run
     _assert_same_run(out, uninterrupted, tmp_path)
 
 
+def test_the_command_exits_at_once_unless_a_thread_is_still_at_work(monkeypatch):
+    """``run()``, the command's entry point: main()'s status, with the exit handlers run
+    first, then ``os._exit`` (no unloading of torch); with a thread still at work, the
+    normal exit, which waits for it."""
+    import threading
+
+    from groupshard.cli import main as command
+
+    handlers, exits = [], []
+    monkeypatch.setattr(command, "main", lambda: 3)
+    monkeypatch.setattr(command.atexit, "_run_exitfuncs", lambda: handlers.append("ran"))
+    monkeypatch.setattr(command.os, "_exit", exits.append)
+    command.run()
+    assert handlers == ["ran"] and exits == [3]
+    release = threading.Event()
+    working = threading.Thread(target=release.wait, name="still-at-work")
+    working.start()
+    try:
+        with pytest.raises(SystemExit) as exit:
+            command.run()
+    finally:
+        release.set()
+        working.join()
+    assert exit.value.code == 3 and handlers == ["ran"] and exits == [3]
+
+
 def test_more_processes_than_cores_warns_once(tmp_path, monkeypatch, capsys):
     from groupshard.cli import main
 

@@ -703,8 +703,12 @@ def run() -> NoReturn:
     exit at once, the exit handlers run and the output flushed, without unloading torch's
     modules and libraries, which took the launcher about 0.4 s after its workers (and the
     server they forked from) had ended (a 1-step tiny run: 4.50 -> 4.08 s, A/B). Only the
-    main thread is left by then; a caller of ``main()`` in its own process keeps its exit."""
+    main thread is left by then (else the normal exit waits for the others); a caller of
+    ``main()`` in its own process keeps its exit."""
     status = main()
+    working = [t for t in threading.enumerate() if t is not threading.main_thread()]
+    if any(not thread.daemon for thread in working):
+        sys.exit(status)  # a thread still at work: the normal exit waits for it
     atexit._run_exitfuncs()  # what a normal exit runs first (multiprocessing's children alike)
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):  # a closed pipe: as at a normal exit
