@@ -740,6 +740,9 @@ def _train(args: argparse.Namespace) -> int:
         # less than starting it after them); Ctrl-C is a stop request from here on
         with _StopRequests() as stop, _worker_server():
             config = _check_run(args)
+            if stop.event.is_set():  # Ctrl-C while checking: no workers to start and stop
+                _interrupted(config.out, None, stop.signum)
+                return 128 + stop.signum
             Path(config.out).mkdir(parents=True, exist_ok=True)
             warning = _oversubscribed(args.nproc)
             if warning is not None:
