@@ -736,8 +736,8 @@ def _train(args: argparse.Namespace) -> int:
             return _outcome(worker(config), show=os.environ["RANK"] == "0")
         _check_options(args)
         # the server the workers fork from imports torch and the training loop while this
-        # process imports torch for the checks below, on another core (a tiny run: 0.7 s
-        # less than starting it after them); Ctrl-C is a stop request from here on
+        # process imports torch for the checks below, on another core (a 1-step tiny run:
+        # 1.1 s less than starting it after them); Ctrl-C is a stop request from here on
         with _StopRequests() as stop, _worker_server():
             config = _check_run(args)
             if stop.event.is_set():  # Ctrl-C while checking: no workers to start and stop
