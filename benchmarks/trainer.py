@@ -212,9 +212,7 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def run_row(
-    worker: Any, row: str, model: str, preload: tuple[str, ...] = ("transformers", "peft")
-) -> list[dict[str, Any]]:
+def run_row(worker: Any, row: str, model: str, preload: tuple[str, ...]) -> list[dict[str, Any]]:
     """``worker(rank, row, model, port, folder, out)`` in two fresh processes, forked from a
     server that imported ``preload`` once for every row; each rank's JSON result
     (``out.<rank>``)."""
@@ -239,16 +237,20 @@ def summary(per_round: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def measure(
-    worker: Any, rows: list[str], model: str, rounds: int, preload: tuple[str, ...] | None = None
+    worker: Any,
+    rows: list[str],
+    model: str,
+    rounds: int,
+    preload: tuple[str, ...] = ("transformers", "peft"),
 ) -> dict[str, Any]:
     """Each row ``rounds`` times, in an order that rotates from round to round; per row
-    its summary over rounds. ``preload``: what the workers' server imports (run_row's)."""
+    its summary over rounds. ``preload``: what the server the rows' workers fork from
+    imports, once for all of them."""
     measured: dict[str, list[Any]] = {row: [] for row in rows}
-    options = {} if preload is None else {"preload": preload}
     for r in range(rounds):
         for i in range(len(rows)):
             row = rows[(r + i) % len(rows)]
-            measured[row].append(run_row(worker, row, model, **options))
+            measured[row].append(run_row(worker, row, model, preload))
             print(f"round {r} {row}: {measured[row][-1][0]['step_s']:.3f} s/step", flush=True)
     return {row: summary(per_round) for row, per_round in measured.items()}
 

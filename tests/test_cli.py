@@ -383,6 +383,7 @@ def test_ctrl_c_during_start_up_claims_no_checkpoint_and_resume_says_so(tmp_path
         lambda process: launcher_log.exists(),  # launching: torch's launcher logs there
     )
     for reached in moments:
+        launcher_log.unlink(missing_ok=True)  # not the last start's
         process = _start("train", *TINY, "--out", out)
         deadline = time.time() + TIMEOUT
         while not reached(process) and process.poll() is None and time.time() < deadline:

@@ -507,9 +507,9 @@ def _launch(config: TrainConfig, nproc: int, stop: _StopRequests) -> int:
 def _worker_server() -> Iterator[None]:
     """Start the server the workers will fork from, now: it imports the training loop (and
     torch) while this process imports torch for its checks and torch's launcher, on another
-    core. The workers fork from it rather than
-    each importing torch anew as spawned ones do (on CPU, 4 workers start 3 s sooner); it
-    imports no CUDA state, so forking from it is safe on GPUs too. Started with SIGINT and
+    core. The workers fork from it rather than each importing torch anew as spawned ones do
+    (on CPU, 4 workers start 3 s sooner); it imports no CUDA state, so forking from it is
+    safe on GPUs too. Started with SIGINT and
     SIGTERM blocked, which the workers it forks inherit (``_StopRequests.run`` says why).
 
     Once the workers have ended, the server is killed: left to exit when this process does,
